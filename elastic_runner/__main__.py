@@ -1,0 +1,5 @@
+import sys
+
+from elastic_runner.cli import main
+
+sys.exit(main())

@@ -1,0 +1,157 @@
+"""The node agent: rounds in, worker processes out.
+
+One loop: wait for a plan that includes this node, start the workers with the
+plan's ranks, watch them and the membership, and on any change stop the workers
+at once and go round again. Worker failures are reported to etcd so the job-wide
+restart count (decided by whoever closes the next round) names the real culprit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from elastic_runner.config import AgentConfig
+from elastic_runner.errors import ShutdownRequested, WorkerFailure
+from elastic_runner.etcd.client import EtcdClient
+from elastic_runner.rendezvous.handler import EtcdRendezvous, failure_message
+from elastic_runner.rendezvous.protocol import FINISHED, JobSpec, Plan
+from elastic_runner.workers import WorkerExit, WorkerGroup
+
+log = logging.getLogger("elastic_runner")
+
+SUCCEEDED, FAILED, CHANGED, SHUTDOWN = "succeeded", "failed", "changed", "shutdown"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str
+    reason: str = ""
+    failure: WorkerExit | None = None
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, client: EtcdClient, base_env: dict[str, str]):
+        self._config = config
+        self._rdzv_config = config.rendezvous
+        self._base_env = base_env
+        spec = JobSpec(config.rendezvous.min_nodes, config.rendezvous.max_nodes,
+                       config.workers.nproc, config.workers.fingerprint)
+        self.rendezvous = EtcdRendezvous(client, config.rendezvous, spec, config.max_restarts)
+        self._signal: int | None = None
+        self._signal_seen = threading.Event()
+
+    # ---- signals ----------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self._signal is None:
+            self._signal = signum
+            self._signal_seen.set()
+            self.rendezvous.shutdown.set()
+            self.rendezvous.mirror.wake()
+
+    # ---- main loop --------------------------------------------------------------
+    def run(self) -> int:
+        """Run rounds until the workers finish; return this node's exit code."""
+        log.info("node %s joining run %s (min %d, max %d nodes, %d worker(s) per node)",
+                 self._rdzv_config.node_id, self._rdzv_config.run_id,
+                 self._rdzv_config.min_nodes, self._rdzv_config.max_nodes,
+                 self._config.workers.nproc)
+        self.rendezvous.register()
+        try:
+            return self._rounds()
+        except ShutdownRequested:
+            log.info("stopped by %s during rendezvous", self._signal_name())
+            return self._shutdown_code(workers_ok=True)
+        finally:
+            self.rendezvous.leave()
+
+    def _rounds(self) -> int:
+        previous: Plan | None = None
+        cause, paused_at = "start", time.monotonic()
+        while True:
+            plan = self.rendezvous.next_plan(previous, cause)
+            group = self._start(plan, previous, paused_at)
+            outcome = self._monitor(group, plan)
+            paused_at = time.monotonic()
+            if outcome.kind == SUCCEEDED:
+                self.rendezvous.finish(plan)
+                log.info("workers finished: all %d exited 0", len(group.pids))
+                return 0
+            if outcome.kind == SHUTDOWN:
+                return self._graceful_exit(group)
+            group.stop(self._config.workers.stop_grace_s)
+            if outcome.kind == FAILED:
+                cause = self._record_failure(plan, outcome.failure)
+            else:
+                cause = outcome.reason
+                log.info("membership changed: %s; stopping workers and re-forming", cause)
+            previous = plan
+
+    def _start(self, plan: Plan, previous: Plan | None, paused_at: float) -> WorkerGroup:
+        log.info("%s", plan.describe())
+        group = WorkerGroup.start(plan, self._rdzv_config.node_id, self._rdzv_config.run_id,
+                                  self._config.max_restarts, self._config.workers, self._base_env,
+                                  echo=self._config.verbosity >= 1)
+        if previous is not None:
+            log.info("resized: world size %d -> %d in %.2f s (round %d, restarts %d/%d)",
+                     previous.world_size, plan.world_size, time.monotonic() - paused_at,
+                     plan.round, plan.restart_count, self._config.max_restarts)
+        return group
+
+    def _monitor(self, group: WorkerGroup, plan: Plan) -> Outcome:
+        mirror = self.rendezvous.mirror
+        while True:
+            generation = mirror.generation
+            if self._signal_seen.is_set():
+                return Outcome(SHUTDOWN)
+            if group.all_succeeded():
+                return Outcome(SUCCEEDED)
+            failure = group.first_failure()
+            if failure is not None:
+                return Outcome(FAILED, failure=failure)
+            reason = self.rendezvous.change_reason(plan)
+            if reason:
+                return Outcome(CHANGED, reason)
+            mirror.wait(self._config.workers.monitor_interval_s, generation)
+
+    def _record_failure(self, plan: Plan, failure: WorkerExit) -> str:
+        record = failure.as_failure(self._rdzv_config.node_id)
+        log.warning("worker rank %d %s; restarting the round",
+                    failure.rank, f"killed by {failure.signal_name}" if failure.signal_name
+                    else f"exited with code {failure.exit_code}")
+        seen = self.rendezvous.current_round()
+        if seen is not None and seen.state.state == FINISHED:
+            # The others already finished: nothing to restart, this node just failed.
+            raise WorkerFailure(failure_message(record, self._config.max_restarts))
+        self.rendezvous.report_failure(plan.round, record)
+        return f"worker-failure: rank {failure.rank} on {self._rdzv_config.node_id}"
+
+    # ---- leaving ----------------------------------------------------------------
+    def _graceful_exit(self, group: WorkerGroup) -> int:
+        """Forward the signal, let peers re-form at once, wait for our workers."""
+        log.info("%s received: forwarding to workers and leaving the run", self._signal_name())
+        group.signal_all(self._signal or signal.SIGTERM)
+        self.rendezvous.leave()
+        if not group.wait(self._config.workers.stop_grace_s):
+            group.stop(0)
+        return self._shutdown_code(workers_ok=group.all_succeeded())
+
+    def _shutdown_code(self, workers_ok: bool) -> int:
+        if self._signal == signal.SIGTERM and workers_ok:
+            return 0
+        return 128 + (self._signal or signal.SIGTERM)
+
+    def _signal_name(self) -> str:
+        return signal.Signals(self._signal).name if self._signal else "signal"
+
+
+def default_node_id() -> str:
+    return f"{os.uname().nodename}-{os.getpid()}"

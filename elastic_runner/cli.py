@@ -1,0 +1,265 @@
+"""Command-line parsing: torchrun-compatible flags plus elastic ones.
+
+The only module that reads argv and the environment. Every flag --foo-bar can
+also come from ELASTIC_RUN_FOO_BAR; the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+from elastic_runner.agent import default_node_id
+from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, WorkerConfig
+from elastic_runner.errors import ConfigError, ElasticRunError, EXIT_CODES, exit_code_for
+from elastic_runner.etcd.client import parse_endpoint
+
+ENV_PREFIX = "ELASTIC_RUN_"
+log = logging.getLogger("elastic_runner")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elastic-run",
+        description="Run a PyTorch training script on every node of an elastic job. "
+                    "Start the same command on each node; ranks come from an etcd v3 rendezvous.",
+        epilog="Exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
+               + f". Every --flag can also be set as {ENV_PREFIX}FLAG (e.g. {ENV_PREFIX}MIN_NODES).",
+    )
+    nodes = parser.add_argument_group("membership")
+    nodes.add_argument("--min-nodes", type=int, help="fewest nodes to train with (default 1)")
+    nodes.add_argument("--max-nodes", type=int, help="most nodes; extras wait as standbys "
+                       "(default: --min-nodes)")
+    nodes.add_argument("--nnodes", help="torchrun style: N or MIN:MAX")
+    nodes.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
+                       help="workers per node: an integer, or 'auto' (one per GPU, else 1)")
+    nodes.add_argument("--node-id", help="this node's name in the run (default hostname-pid)")
+    rdzv = parser.add_argument_group("rendezvous")
+    rdzv.add_argument("--rdzv-endpoints", "--rdzv-endpoint", "--rdzv_endpoint",
+                      help="comma-separated etcd v3 URLs; absent: start an embedded local etcd")
+    rdzv.add_argument("--run-id", "--rdzv-id", help="job name shared by its nodes "
+                      "(default: derived from the script name and arguments)")
+    rdzv.add_argument("--lease-ttl", type=int, default=5,
+                      help="seconds before a crashed node is dropped (default 5)")
+    rdzv.add_argument("--join-timeout", type=float, default=600.0,
+                      help="seconds to wait for --min-nodes before giving up (default 600)")
+    rdzv.add_argument("--settle", type=float, default=2.0,
+                      help="seconds a round with enough nodes waits for more (default 2)")
+    rdzv.add_argument("--master-addr", help="address peers use to reach this node's "
+                      "process-group store (default: the interface that reaches etcd)")
+    rdzv.add_argument("--master-port", type=int,
+                      help="fixed store port (default: a free port chosen each round)")
+    rdzv.add_argument("--standalone", action="store_true",
+                      help="single node: embedded etcd, --nnodes 1")
+    etcd = parser.add_argument_group("etcd")
+    etcd.add_argument("--etcd-binary", help="etcd server for the embedded etcd")
+    etcd.add_argument("--etcd-timeout", type=float, default=5.0,
+                      help="seconds per etcd call (default 5)")
+    etcd.add_argument("--etcd-cacert", help="CA certificate for https endpoints")
+    etcd.add_argument("--etcd-cert", help="client certificate")
+    etcd.add_argument("--etcd-key", help="client key")
+    etcd.add_argument("--etcd-user", help="etcd user name")
+    etcd.add_argument("--etcd-password-file", help="file holding the etcd password "
+                      f"(or set {ENV_PREFIX}ETCD_PASSWORD; never a flag value)")
+    run = parser.add_argument_group("workers")
+    run.add_argument("--max-restarts", type=int, default=3,
+                     help="job-wide worker failures tolerated; membership changes don't count")
+    run.add_argument("--stop-grace", type=float, default=5.0,
+                     help="seconds between SIGTERM and SIGKILL when stopping workers")
+    run.add_argument("--monitor-interval", type=float, default=0.1,
+                     help="seconds between checks of worker processes")
+    run.add_argument("--log-dir", help="keep each worker's output in DIR/RUN_ID/roundN/rankR.log")
+    run.add_argument("-m", "--module", dest="module", action="store_true",
+                     help="run the entry point as a module (python -m)")
+    run.add_argument("--no-python", action="store_true", help="run the entry point as an executable")
+    out = parser.add_argument_group("output")
+    out.add_argument("-v", "--verbose", action="count", default=0, help="more detail")
+    out.add_argument("-q", "--quiet", action="store_true", help="errors only")
+    parser.add_argument("entrypoint", help="training script (or module with -m)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str]) -> None:
+    for action in parser._actions:
+        long_flags = [s for s in action.option_strings if s.startswith("--")]
+        if not long_flags or action.dest == "help":
+            continue
+        name = ENV_PREFIX + long_flags[0][2:].replace("-", "_").upper()
+        if name not in environ:
+            continue
+        raw = environ[name]
+        if action.nargs == 0:
+            action.default = raw.lower() in ("1", "true", "yes", "on") if action.const is True \
+                else int(raw or 0)
+        else:
+            try:
+                action.default = action.type(raw) if action.type else raw
+            except ValueError as exc:
+                raise ConfigError(f"{name}={raw!r} is not valid for {long_flags[0]}: {exc}")
+
+
+def parse_nodes(args) -> tuple[int, int]:
+    if args.nnodes and (args.min_nodes or args.max_nodes):
+        raise ConfigError("give either --nnodes or --min-nodes/--max-nodes, not both")
+    if args.standalone:
+        return 1, 1
+    if args.nnodes:
+        lo, _, hi = args.nnodes.partition(":")
+        try:
+            low, high = int(lo), int(hi or lo)
+        except ValueError:
+            raise ConfigError(f"--nnodes {args.nnodes!r}: use N or MIN:MAX, e.g. 1:4") from None
+    else:
+        low = args.min_nodes if args.min_nodes is not None else 1
+        high = args.max_nodes if args.max_nodes is not None else low
+    if low < 1:
+        raise ConfigError(f"--min-nodes {low}: need at least 1 node")
+    if low > high:
+        raise ConfigError(f"--min-nodes {low} is greater than --max-nodes {high}; "
+                          "raise --max-nodes or lower --min-nodes")
+    return low, high
+
+
+def parse_nproc(text: str, gpu_count: int) -> int:
+    if text in ("auto", "gpu"):
+        return gpu_count or 1
+    if text == "cpu":
+        return 1
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"--nproc-per-node {text!r}: use a positive integer or 'auto'") from None
+    if value < 1:
+        raise ConfigError(f"--nproc-per-node {value}: need at least 1 worker per node")
+    return value
+
+
+def entry_argv(args) -> tuple[tuple[str, ...], str]:
+    """The worker command line and a fingerprint all nodes of a run must share."""
+    digest = hashlib.sha256()
+    if args.module:
+        try:
+            found = importlib.util.find_spec(args.entrypoint)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise ConfigError(f"-m {args.entrypoint}: module not importable here; "
+                              "check the name and that its package is installed")
+        argv = (sys.executable, "-u", "-m", args.entrypoint, *args.args)
+        digest.update(args.entrypoint.encode())
+    else:
+        script = Path(args.entrypoint)
+        if not args.no_python and not script.is_file():
+            raise ConfigError(f"script not found: {args.entrypoint} "
+                              "(give a path to a .py file, or -m MODULE)")
+        prefix = () if args.no_python else (sys.executable, "-u")
+        argv = (*prefix, args.entrypoint, *args.args)
+        if script.is_file():
+            digest.update(script.read_bytes())
+    for arg in args.args:
+        digest.update(b"\0" + arg.encode())
+    return argv, digest.hexdigest()[:16]
+
+
+def default_run_id(args) -> str:
+    name = Path(args.entrypoint).stem.replace(".", "-") or "run"
+    digest = hashlib.sha256("\0".join([args.entrypoint, *args.args]).encode()).hexdigest()
+    return f"{name}-{digest[:8]}"
+
+
+def local_address(endpoints: tuple[str, ...]) -> str:
+    """The address of the interface that routes to etcd: peers can reach it too."""
+    if not endpoints:
+        return "127.0.0.1"
+    host, port, _ = parse_endpoint(endpoints[0])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(host), port))  # UDP: sends nothing
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def read_password(args, environ: dict[str, str]) -> str | None:
+    if args.etcd_password_file:
+        try:
+            return Path(args.etcd_password_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --etcd-password-file: {exc.strerror}") from exc
+    return environ.get(ENV_PREFIX + "ETCD_PASSWORD")
+
+
+def count_gpus() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA install must not stop a CPU run
+        return 0
+
+
+def build_config(args, environ: dict[str, str], gpu_count: int) -> AgentConfig:
+    min_nodes, max_nodes = parse_nodes(args)
+    nproc = parse_nproc(args.nproc_per_node, gpu_count)
+    endpoints = tuple(e.strip() for e in (args.rdzv_endpoints or "").split(",") if e.strip())
+    if args.standalone:
+        endpoints = ()
+    for endpoint in endpoints:
+        parse_endpoint(endpoint)
+    if args.lease_ttl < 1:
+        raise ConfigError(f"--lease-ttl {args.lease_ttl}: need at least 1 second")
+    argv, fingerprint = entry_argv(args)
+    run_id = args.run_id or default_run_id(args)
+    etcd = EtcdConfig(endpoints, args.etcd_timeout, max(2 * args.lease_ttl, 5.0),
+                      args.etcd_cacert, args.etcd_cert, args.etcd_key, args.etcd_user,
+                      read_password(args, environ), args.etcd_binary)
+    rendezvous = RendezvousConfig(
+        run_id, args.node_id or default_node_id(), min_nodes, max_nodes, args.lease_ttl,
+        args.join_timeout, args.settle, args.master_addr or local_address(endpoints),
+        args.master_port)
+    workers = WorkerConfig(argv, nproc, fingerprint, args.stop_grace, args.monitor_interval,
+                           Path(args.log_dir) if args.log_dir else None, gpu_count)
+    verbosity = 0 if args.quiet else 1 + args.verbose
+    return AgentConfig(rendezvous, etcd, workers, args.max_restarts, verbosity)
+
+
+def setup_logging(verbosity: int, node_id: str) -> None:
+    level = logging.ERROR if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[elastic-run {node_id}] %(message)s"))
+    root = logging.getLogger("elastic_runner")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    environ = dict(os.environ)
+    verbose = "-v" in argv or "--verbose" in argv
+    try:
+        parser = build_parser()
+        apply_env_defaults(parser, environ)
+        args = parser.parse_args(argv)
+        config = build_config(args, environ, count_gpus() if args.nproc_per_node in
+                              ("auto", "gpu") else 0)
+        setup_logging(config.verbosity, config.rendezvous.node_id)
+        from elastic_runner.launch import launch
+        return launch(config, environ)
+    except ElasticRunError as exc:
+        print(f"elastic-run: error: {exc}", file=sys.stderr)
+        if verbose:
+            logging.getLogger("elastic_runner").exception("detail")
+        return exit_code_for(exc)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Frozen configuration built once by the CLI and passed down.
+
+Nothing below the CLI reads the environment or argv: every knob lives here, so a
+test builds the exact configuration it needs without patching globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA_PREFIX = "/elastic-runner/v1"
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    """How to reach etcd. `endpoints` empty means: start an embedded etcd."""
+
+    endpoints: tuple[str, ...] = ()
+    timeout_s: float = 5.0
+    # How long one logical call keeps retrying transient failures before it
+    # surfaces as EtcdUnavailable.
+    retry_deadline_s: float = 10.0
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    binary: str | None = None
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    run_id: str
+    node_id: str
+    min_nodes: int = 1
+    max_nodes: int = 1
+    lease_ttl_s: int = 5
+    join_timeout_s: float = 600.0
+    # A round that has its minimum waits this long for more joiners (first round
+    # only when every live node has already joined).
+    settle_s: float = 2.0
+    node_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    @property
+    def prefix(self) -> str:
+        return f"{SCHEMA_PREFIX}/{self.run_id}/"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What to run on this node and how to stop it."""
+
+    argv: tuple[str, ...]
+    nproc: int
+    # Fingerprint of the job (script bytes + args); agents of one run must agree.
+    fingerprint: str
+    stop_grace_s: float = 5.0
+    monitor_interval_s: float = 0.1
+    log_dir: Path | None = None
+    gpu_count: int = 0
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    rendezvous: RendezvousConfig
+    etcd: EtcdConfig
+    workers: WorkerConfig
+    max_restarts: int = 3
+    verbosity: int = 1

@@ -1,0 +1,99 @@
+"""The typed error hierarchy and the one place that maps errors to exit codes.
+
+Every failure a user can cause or meet has its own type, a message that says what
+is wrong and what to do, and a documented exit code. Code below the CLI raises
+these; only `exit_code_for` and the CLI decide what the user sees.
+"""
+
+from __future__ import annotations
+
+
+class ElasticRunError(Exception):
+    """Base of every error elastic-run reports to a user."""
+
+    exit_code = 1
+
+
+class ConfigError(ElasticRunError):
+    """A flag or environment value is invalid (exit 2, like argparse)."""
+
+    exit_code = 2
+
+
+class EtcdBinaryNotFound(ElasticRunError):
+    """No etcd server binary to start the embedded etcd."""
+
+    exit_code = 3
+
+
+class EtcdError(ElasticRunError):
+    """etcd could not be reached or answered in a way we cannot use."""
+
+    exit_code = 4
+
+
+class EtcdUnavailable(EtcdError):
+    """No endpoint answered within the deadline."""
+
+
+class EtcdAuthError(EtcdError):
+    """etcd refused our credentials."""
+
+
+class RendezvousError(ElasticRunError):
+    """The rendezvous could not produce a plan this node can act on."""
+
+    exit_code = 5
+
+
+class SpecMismatch(RendezvousError):
+    """Another agent started this run_id with a different job."""
+
+
+class SchemaMismatch(RendezvousError):
+    """Keys under the prefix were written by another schema version."""
+
+
+class RendezvousTimeout(RendezvousError):
+    """Too few nodes joined within --join-timeout."""
+
+
+class RunFinished(RendezvousError):
+    """The run_id already finished; a new run needs a new id."""
+
+
+class LeaseLost(RendezvousError):
+    """Our lease expired: the others have re-formed without us."""
+
+
+class WorkerFailure(ElasticRunError):
+    """Workers failed more often than --max-restarts allows."""
+
+    exit_code = 6
+
+
+class ShutdownRequested(ElasticRunError):
+    """SIGTERM/SIGINT reached the agent; not a failure of the job."""
+
+    exit_code = 130
+
+
+EXIT_CODES = {
+    0: "success: every worker on this node exited 0",
+    1: "unexpected internal error (run with -v and report it)",
+    2: "bad flag or environment value",
+    3: "no etcd binary found for the embedded etcd",
+    4: "etcd unreachable, refused our credentials, or answered unexpectedly",
+    5: "rendezvous failed: spec mismatch, timeout below --min-nodes, run already finished",
+    6: "workers failed more than --max-restarts times",
+    130: "stopped by SIGINT/SIGTERM before the job finished",
+}
+
+
+def exit_code_for(error: BaseException) -> int:
+    """Map an exception to the process exit code documented in EXIT_CODES."""
+    if isinstance(error, ElasticRunError):
+        return error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return 130
+    return 1

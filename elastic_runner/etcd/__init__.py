@@ -1,0 +1,1 @@
+"""etcd access: the client facade, leases and the embedded server."""

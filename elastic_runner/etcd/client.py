@@ -1,0 +1,384 @@
+"""EtcdClient: the only module that knows which etcd library we use.
+
+Why a facade: the library (`pyetcd`, python-etcd3's API) has no per-call
+deadline unless the client carries one, no bounded retry, no resumable watch
+and raises its own or raw gRPC exceptions. Everything above this module sees
+plain dataclasses, one retry policy bounded in time, and `EtcdError` subclasses
+that say which endpoints failed and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+from urllib.parse import urlparse
+
+# The agent forks workers while gRPC threads run; gRPC's fork handlers only log
+# noise there, and the children exec at once without touching gRPC.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import grpc  # noqa: E402
+import pyetcd  # noqa: E402
+import pyetcd.exceptions as etcd_exc  # noqa: E402
+from pyetcd import etcdrpc  # noqa: E402
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from elastic_runner.config import EtcdConfig
+from elastic_runner.errors import ConfigError, EtcdAuthError, EtcdError, EtcdUnavailable
+
+log = logging.getLogger(__name__)
+
+_TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: str  # "put" or "delete"
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    version: int
+    lease: int
+
+
+# Transaction building blocks: plain data, so callers never touch pyetcd types.
+@dataclass(frozen=True)
+class Compare:
+    key: str
+    target: str  # "create", "mod", "version", "value"
+    op: str  # "==", "!=", "<", ">"
+    operand: int | bytes
+
+
+def key_missing(key: str) -> Compare:
+    return Compare(key, "create", "==", 0)
+
+
+def mod_revision_is(key: str, revision: int) -> Compare:
+    return Compare(key, "mod", "==", revision)
+
+
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int | None = None
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+    prefix: bool = False
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+
+
+def parse_endpoint(url: str) -> tuple[str, int, bool]:
+    """Split `http://host:2379` into (host, port, tls); bare host:port allowed."""
+    text = url.strip()
+    parsed = urlparse(text if "://" in text else f"http://{text}")
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(
+            f"malformed etcd endpoint {url!r}: use http://HOST:PORT or https://HOST:PORT"
+        )
+    try:
+        port = parsed.port or 2379
+    except ValueError as exc:
+        raise ConfigError(f"malformed etcd endpoint {url!r}: bad port ({exc})") from exc
+    return parsed.hostname, port, parsed.scheme == "https"
+
+
+class EtcdClient:
+    """A synchronous etcd v3 client with deadlines, bounded retries and typed errors."""
+
+    def __init__(self, config: EtcdConfig):
+        self._config = config
+        self._endpoint_text = ",".join(config.endpoints)
+        self._lock = threading.Lock()
+        self._client = self._connect()
+
+    # ---- connection -------------------------------------------------------------
+    def _connect(self) -> pyetcd.MultiEndpointEtcd3Client:
+        endpoints = []
+        for url in self._config.endpoints:
+            host, port, tls = parse_endpoint(url)
+            creds = self._credentials() if (tls or self._config.cacert) else None
+            endpoints.append(
+                pyetcd.Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=1.0)
+            )
+        try:
+            return self._retrying(
+                lambda: pyetcd.MultiEndpointEtcd3Client(
+                    endpoints=endpoints,
+                    timeout=self._config.timeout_s,
+                    user=self._config.user,
+                    password=self._config.password,
+                    failover=True,
+                )
+            )
+        except EtcdError:
+            raise
+        except Exception as exc:  # library raises bare Exception for half-given credentials
+            raise EtcdError(f"cannot set up the etcd client for {self._endpoint_text}: {exc}") from exc
+
+    def _credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                with open(path, "rb") as handle:
+                    return handle.read()
+            except OSError as exc:
+                raise ConfigError(f"cannot read TLS file {path}: {exc.strerror}") from exc
+
+        return grpc.ssl_channel_credentials(
+            read(self._config.cacert), read(self._config.key), read(self._config.cert)
+        )
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except Exception:  # closing a broken channel must not mask the real error
+            log.debug("closing etcd client failed", exc_info=True)
+
+    # ---- error handling ---------------------------------------------------------
+    def _translate(self, exc: BaseException, what: str) -> EtcdError:
+        code = exc.code() if isinstance(exc, grpc.RpcError) else None
+        if code == grpc.StatusCode.UNAUTHENTICATED or code == grpc.StatusCode.PERMISSION_DENIED:
+            return EtcdAuthError(
+                f"etcd at {self._endpoint_text} refused {what}: {exc.details()} "
+                "(check --etcd-user and the password file)"
+            )
+        if isinstance(exc, (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
+                            etcd_exc.NoServerAvailableError)) or code in _TRANSIENT_CODES:
+            return EtcdUnavailable(
+                f"etcd unreachable at {self._endpoint_text} ({what} failed for "
+                f"{self._config.retry_deadline_s:g} s): check --rdzv-endpoints, that etcd runs, "
+                "and TLS flags"
+            )
+        detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc) or type(exc).__name__
+        return EtcdError(f"etcd at {self._endpoint_text} answered {what} with an error: {detail}")
+
+    def _retrying(self, call: Callable, what: str = "the request", deadline: float | None = None):
+        """Run `call`, retrying transient failures until the deadline, then raise typed."""
+        retryer = Retrying(
+            retry=retry_if_exception_type(_Transient),
+            stop=stop_after_delay(self._config.retry_deadline_s if deadline is None else deadline),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            reraise=True,
+        )
+        try:
+            for attempt in retryer:
+                with attempt:
+                    try:
+                        return call()
+                    except (grpc.RpcError, etcd_exc.Etcd3Exception) as exc:
+                        if _is_transient(exc):
+                            raise _Transient(exc) from exc
+                        raise self._translate(exc, what) from exc
+        except _Transient as wrapped:
+            raise self._translate(wrapped.cause, what) from wrapped.cause
+        raise AssertionError("unreachable")
+
+    # ---- key/value --------------------------------------------------------------
+    def get(self, key: str) -> KeyValue | None:
+        response = self._retrying(lambda: self._client.get_response(key), f"get {key}")
+        return _to_kv(response.kvs[0]) if response.count else None
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Return the keys under `prefix` (sorted by key) and the store revision read at."""
+        response = self._retrying(
+            lambda: self._client.get_prefix_response(prefix, sort_order="ascend"),
+            f"get {prefix}*",
+        )
+        return [_to_kv(kv) for kv in response.kvs], response.header.revision
+
+    def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        response = self._retrying(lambda: self._client.put(key, value, lease=lease), f"put {key}")
+        return response.header.revision
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._retrying(lambda: self._client.delete_prefix(prefix), f"delete {prefix}*")
+
+    def txn(self, compares: Sequence[Compare], success: Sequence[Put | Delete],
+            failure: Sequence[Put | Delete] = ()) -> TxnResult:
+        request = etcdrpc.TxnRequest(
+            compare=[_compare_message(c) for c in compares],
+            success=[_op_message(op) for op in success],
+            failure=[_op_message(op) for op in failure],
+        )
+        response = self._retrying(
+            lambda: self._client.kvstub.Txn(
+                request, self._config.timeout_s,
+                credentials=self._client.call_credentials, metadata=self._client.metadata,
+            ),
+            "a transaction",
+        )
+        return TxnResult(response.succeeded, response.header.revision)
+
+    def create_if_absent(self, key: str, value: bytes, lease: int | None = None) -> bool:
+        return self.txn([key_missing(key)], [Put(key, value, lease)]).succeeded
+
+    def server_version(self) -> str:
+        """Ask the member for its version; proves the endpoint really is etcd."""
+        response = self._retrying(lambda: self._client.status(), "a status request")
+        return response.version
+
+    # ---- leases -----------------------------------------------------------------
+    def grant_lease(self, ttl_s: int) -> int:
+        return self._retrying(lambda: self._client.lease(ttl_s), "a lease grant").id
+
+    def refresh_lease(self, lease_id: int, deadline_s: float) -> int:
+        """Refresh once; return the remaining TTL (<= 0 when the lease is gone)."""
+        responses = self._retrying(
+            lambda: list(self._client.refresh_lease(lease_id)), "a lease keep-alive", deadline_s
+        )
+        return responses[-1].TTL if responses else 0
+
+    def revoke_lease(self, lease_id: int, deadline_s: float | None = None) -> None:
+        try:
+            self._retrying(lambda: self._client.revoke_lease(lease_id), "a lease revoke", deadline_s)
+        except EtcdError as exc:
+            if "not found" not in str(exc):
+                raise
+
+    def lease_remaining(self, lease_id: int) -> int:
+        return self._retrying(lambda: self._client.get_lease_info(lease_id), "a lease query").TTL
+
+    # ---- watches ----------------------------------------------------------------
+    def watch_prefix(self, prefix: str, start_revision: int,
+                     on_events: Callable[[list[WatchEvent]], None]) -> "PrefixWatch":
+        watch = PrefixWatch(self._client, prefix, start_revision, on_events)
+        watch.start()
+        return watch
+
+
+class _Transient(Exception):
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, grpc.RpcError):
+        return exc.code() in _TRANSIENT_CODES
+    return isinstance(exc, (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
+                            etcd_exc.NoServerAvailableError))
+
+
+def _to_kv(kv) -> KeyValue:
+    return KeyValue(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision,
+                    kv.version, kv.lease)
+
+
+_CMP_RESULTS = {"==": etcdrpc.Compare.EQUAL, "!=": etcdrpc.Compare.NOT_EQUAL,
+                "<": etcdrpc.Compare.LESS, ">": etcdrpc.Compare.GREATER}
+
+
+def _compare_message(compare: Compare):
+    message = etcdrpc.Compare(key=compare.key.encode(), result=_CMP_RESULTS[compare.op])
+    if compare.target == "create":
+        message.target = etcdrpc.Compare.CREATE
+        message.create_revision = int(compare.operand)
+    elif compare.target == "mod":
+        message.target = etcdrpc.Compare.MOD
+        message.mod_revision = int(compare.operand)
+    elif compare.target == "version":
+        message.target = etcdrpc.Compare.VERSION
+        message.version = int(compare.operand)
+    else:
+        message.target = etcdrpc.Compare.VALUE
+        message.value = bytes(compare.operand)
+    return message
+
+
+def _op_message(op: Put | Delete):
+    if isinstance(op, Put):
+        request = etcdrpc.PutRequest(key=op.key.encode(), value=op.value, lease=op.lease or 0)
+        return etcdrpc.RequestOp(request_put=request)
+    request = etcdrpc.DeleteRangeRequest(key=op.key.encode())
+    if op.prefix:
+        request.range_end = pyetcd.utils.prefix_range_end(op.key.encode())
+    return etcdrpc.RequestOp(request_delete_range=request)
+
+
+@dataclass
+class PrefixWatch:
+    """A prefix watch that survives server restarts and stream errors.
+
+    The library does not resume a watch after its stream breaks; we re-create it
+    from the last delivered revision + 1, so no event is lost or delivered twice.
+    """
+
+    client: pyetcd.MultiEndpointEtcd3Client
+    prefix: str
+    next_revision: int
+    on_events: Callable[[list[WatchEvent]], None]
+    _stopped: threading.Event = field(default_factory=threading.Event)
+    _broken: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _watch_id: int | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"watch {self.prefix}", daemon=True)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        self._stopped.set()
+        self._broken.set()
+        if self._watch_id is not None:
+            try:
+                self.client.cancel_watch(self._watch_id)
+            except Exception:  # the stream may already be gone
+                log.debug("watch cancel failed", exc_info=True)
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stopped.is_set():
+            self._broken.clear()
+            try:
+                self._watch_id = self.client.add_watch_prefix_callback(
+                    self.prefix, self._deliver, start_revision=self.next_revision
+                )
+                backoff = 0.05
+            except Exception as exc:  # server down: retry until cancelled
+                log.debug("watch on %s not created (%s); retrying", self.prefix, exc)
+                self._stopped.wait(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            self._broken.wait()
+
+    def _deliver(self, response) -> None:
+        if isinstance(response, BaseException) or response is None:
+            log.debug("watch on %s broke (%s); re-creating from revision %d",
+                      self.prefix, response, self.next_revision)
+            self._broken.set()
+            return
+        events = [_to_event(e) for e in response.events]
+        if events:
+            self.next_revision = events[-1].mod_revision + 1
+            self.on_events(events)
+
+
+def _to_event(event) -> WatchEvent:
+    kind = "delete" if isinstance(event, pyetcd.events.DeleteEvent) else "put"
+    return WatchEvent(kind, event.key.decode(), event.value, event.mod_revision,
+                      event.create_revision, event.version, event.lease)

@@ -1,0 +1,70 @@
+"""A lease and its keep-alive loop.
+
+No etcd client refreshes leases for us, and a silent expiry is exactly how a node
+gets dropped from a job without noticing. So the loop reports loss explicitly
+(`lost` is set and the callback runs) instead of hiding it behind retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from elastic_runner.errors import EtcdError
+from elastic_runner.etcd.client import EtcdClient
+
+log = logging.getLogger(__name__)
+
+
+class KeptLease:
+    """A granted lease refreshed every TTL/3 on a daemon thread."""
+
+    def __init__(self, client: EtcdClient, ttl_s: int,
+                 on_lost: Callable[[], None] | None = None):
+        self._client = client
+        self.ttl_s = ttl_s
+        self._on_lost = on_lost
+        self.id = client.grant_lease(ttl_s)
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._last_refresh = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name=f"lease {self.id:x}", daemon=True)
+        self._thread.start()
+
+    def seconds_since_refresh(self) -> float:
+        """How stale our view is: beyond the TTL the server may have dropped us."""
+        return time.monotonic() - self._last_refresh
+
+    def _loop(self) -> None:
+        interval = max(self.ttl_s / 3.0, 0.2)
+        while not self._stop.wait(interval):
+            try:
+                remaining = self._client.refresh_lease(self.id, deadline_s=interval)
+            except EtcdError as exc:
+                log.debug("lease %x keep-alive failed: %s", self.id, exc)
+                continue
+            if remaining <= 0:
+                self._mark_lost()
+                return
+            self._last_refresh = time.monotonic()
+
+    def _mark_lost(self) -> None:
+        log.warning("lease %x expired: this node is no longer a member", self.id)
+        self.lost.set()
+        if self._on_lost:
+            self._on_lost()
+
+    def revoke(self) -> None:
+        """Drop the lease now so peers re-form at once instead of after the TTL."""
+        self._stop.set()
+        if self.lost.is_set():
+            return
+        try:
+            self._client.revoke_lease(self.id, deadline_s=min(self.ttl_s, 3))
+        except EtcdError as exc:
+            log.warning("could not revoke lease %x (%s); peers will see it expire", self.id, exc)
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,41 @@
+"""Wires the pieces for one node: etcd (given or embedded), client, agent."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from elastic_runner.agent import Agent
+from elastic_runner.config import AgentConfig, EtcdConfig
+from elastic_runner.errors import EtcdError
+from elastic_runner.etcd.client import EtcdClient
+from elastic_runner.etcd.server import EmbeddedEtcd
+
+log = logging.getLogger("elastic_runner")
+
+
+def connect(config: EtcdConfig) -> EtcdClient:
+    """Open a client and prove the endpoint is etcd (a plain HTTP server is not)."""
+    client = EtcdClient(config)
+    try:
+        version = client.server_version()
+    except EtcdError:
+        client.close()
+        raise
+    log.debug("etcd %s at %s", version, ",".join(config.endpoints))
+    return client
+
+
+def launch(config: AgentConfig, environ: dict[str, str]) -> int:
+    with contextlib.ExitStack() as stack:
+        etcd_config = config.etcd
+        if not etcd_config.endpoints:
+            server = stack.enter_context(EmbeddedEtcd(binary=etcd_config.binary))
+            log.info("started embedded etcd at %s (data in %s)", server.endpoint, server.data_dir)
+            etcd_config = EtcdConfig(**{**etcd_config.__dict__, "endpoints": (server.endpoint,)})
+        log.info("run id: %s", config.rendezvous.run_id)
+        client = connect(etcd_config)
+        stack.callback(client.close)
+        agent = Agent(config, client, environ)
+        agent.install_signal_handlers()
+        return agent.run()

@@ -1,0 +1,1 @@
+"""Rendezvous: pure round rules (`protocol`) driven on etcd (`handler`)."""

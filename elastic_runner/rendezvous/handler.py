@@ -1,0 +1,255 @@
+"""EtcdRendezvous: the protocol rules driven on etcd for one node.
+
+Liveness is the lease (a node's keys vanish when it dies or leaves), changes
+arrive through one watch (a PrefixMirror), and every write that decides
+something is a transaction: joining compares the round's mod revision, so nobody
+joins a round after it closed; closing compares it too and writes the plan and
+the closed state together, so racing closers agree on one plan.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from elastic_runner.config import RendezvousConfig
+from elastic_runner.errors import (
+    RendezvousTimeout, RunFinished, ShutdownRequested, SpecMismatch, WorkerFailure,
+)
+from elastic_runner.etcd.client import EtcdClient, Put, key_missing, mod_revision_is
+from elastic_runner.etcd.lease import KeptLease
+from elastic_runner.etcd.mirror import PrefixMirror
+from elastic_runner.etcd.server import free_port
+from elastic_runner.rendezvous import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundView:
+    state: p.RoundState
+    mod_revision: int
+
+
+class EtcdRendezvous:
+    def __init__(self, client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
+                 max_restarts: int):
+        self._client = client
+        self._config = config
+        self._spec = spec
+        self._max_restarts = max_restarts
+        self.prefix = config.prefix
+        self.node_id = config.node_id
+        self.mirror = PrefixMirror(client, self.prefix)
+        self.lease: KeptLease | None = None
+        self.shutdown = threading.Event()
+        self._min_met_at: dict[int, float] = {}
+
+    # ---- membership -------------------------------------------------------------
+    def register(self) -> None:
+        """Check the job spec, take a lease and announce this node."""
+        self._check_spec()
+        self.mirror.start()
+        self._take_lease()
+
+    def _check_spec(self) -> None:
+        key = p.spec_key(self.prefix)
+        if self._client.create_if_absent(key, self._spec.to_json()):
+            return
+        existing = self._client.get(key)
+        conflict = p.spec_conflict(p.JobSpec.from_json(existing.value), self._spec)
+        if conflict:
+            raise SpecMismatch(
+                f"run {self._config.run_id!r} already runs a different job ({conflict}); "
+                "start this node with the same flags and script, or pass a new --run-id"
+            )
+
+    def _take_lease(self) -> None:
+        self.lease = KeptLease(self._client, self._config.lease_ttl_s, on_lost=self.mirror.wake)
+        record = json.dumps({"node_id": self.node_id, "addr": self._config.node_addr,
+                             "nproc": self._spec.nproc}).encode()
+        self._client.put(p.node_key(self.prefix, self.node_id), record, lease=self.lease.id)
+
+    def leave(self) -> None:
+        """Revoke the lease so the others re-form now rather than after the TTL."""
+        if self.lease is not None:
+            self.lease.revoke()
+        self.mirror.stop()
+
+    # ---- reading the mirror -----------------------------------------------------
+    def current_round(self) -> RoundView | None:
+        kv = self.mirror.get(p.round_key(self.prefix))
+        return RoundView(p.RoundState.from_json(kv.value), kv.mod_revision) if kv else None
+
+    def plan(self, number: int) -> p.Plan | None:
+        kv = self.mirror.get(p.plan_key(self.prefix, number))
+        return p.Plan.from_json(kv.value) if kv else None
+
+    def _joiners(self, number: int) -> list[p.Joiner]:
+        return [p.Joiner.from_json(kv.value, kv.create_revision)
+                for kv in self.mirror.under(p.join_prefix(self.prefix, number))]
+
+    def _live_nodes(self) -> set[str]:
+        return {p.node_id_from_key(kv.key) for kv in self.mirror.under(p.nodes_prefix(self.prefix))}
+
+    # ---- transactions -----------------------------------------------------------
+    def _cas_round(self, seen: RoundView | None, new: p.RoundState, *extra: Put) -> bool:
+        guard = (mod_revision_is(p.round_key(self.prefix), seen.mod_revision) if seen
+                 else key_missing(p.round_key(self.prefix)))
+        result = self._client.txn([guard], [Put(p.round_key(self.prefix), new.to_json()), *extra])
+        self.mirror.wait_revision(result.revision, timeout_s=self._config.lease_ttl_s)
+        return result.succeeded
+
+    def open_next(self, seen: RoundView, cause: str) -> bool:
+        return self._cas_round(seen, p.RoundState(seen.state.number + 1, p.OPEN, cause))
+
+    def _join(self, seen: RoundView) -> None:
+        port = self._config.master_port or free_port(self._config.node_addr)
+        joiner = p.Joiner(self.node_id, self._config.node_addr, port, self._spec.nproc)
+        key = p.join_key(self.prefix, seen.state.number, self.node_id)
+        result = self._client.txn([mod_revision_is(p.round_key(self.prefix), seen.mod_revision)],
+                                  [Put(key, joiner.to_json(), self.lease.id)])
+        self.mirror.wait_revision(result.revision, timeout_s=self._config.lease_ttl_s)
+
+    def report_failure(self, number: int, failure: dict) -> None:
+        """Record the first failure of a round: the one the job's error will name."""
+        self._client.create_if_absent(p.failure_key(self.prefix, number),
+                                      json.dumps(failure).encode())
+
+    def finish(self, plan: p.Plan) -> None:
+        seen = self.current_round()
+        if seen and seen.state.number == plan.round and seen.state.state == p.CLOSED:
+            self._cas_round(seen, p.RoundState(plan.round, p.FINISHED, "workers succeeded"))
+
+    # ---- the round loop ---------------------------------------------------------
+    def next_plan(self, previous: p.Plan | None, cause: str) -> p.Plan:
+        """Block until a closed round includes this node; return its plan.
+
+        Raises:
+            RendezvousTimeout: fewer than --min-nodes joined within --join-timeout.
+            RunFinished / WorkerFailure: the run ended while we waited.
+            ShutdownRequested: `shutdown` was set (SIGTERM/SIGINT).
+        """
+        deadline = time.monotonic() + self._config.join_timeout_s
+        while True:
+            if self.shutdown.is_set():
+                raise ShutdownRequested("shutdown requested during rendezvous")
+            if self.lease.lost.is_set():
+                self._take_lease()
+            generation = self.mirror.generation
+            outcome = self._step(previous, cause, deadline)
+            if isinstance(outcome, p.Plan):
+                return outcome
+            if outcome is not None:
+                self.mirror.wait(outcome, generation)
+
+    def _step(self, previous: p.Plan | None, cause: str, deadline: float):
+        """One evaluation: return a Plan, a wait in seconds, or None to re-evaluate now."""
+        seen = self.current_round()
+        if seen is None:
+            self._cas_round(None, p.RoundState(0, p.OPEN, "start"))
+            return None
+        state = seen.state
+        if state.state == p.FINISHED:
+            raise RunFinished(f"run {self._config.run_id!r} already finished; "
+                              "pass a new --run-id to start it again")
+        if state.state == p.FAILED:
+            raise WorkerFailure(state.detail)
+        if previous is not None and state.number <= previous.round:
+            self.open_next(seen, cause)
+            return None
+        if state.state == p.OPEN:
+            return self._in_open_round(seen, deadline)
+        plan = self.plan(state.number)
+        if plan is None:
+            return 0.1  # our copy lags the closing transaction by a moment
+        if plan.member(self.node_id):
+            return plan
+        if len(plan.members) < self._config.max_nodes:
+            self.open_next(seen, "newcomer")
+            return None
+        return 1.0  # standby: the run is full; a leaving member opens a round
+
+    def _in_open_round(self, seen: RoundView, deadline: float):
+        number = seen.state.number
+        joiners = self._joiners(number)
+        if self.node_id not in {j.node_id for j in joiners}:
+            self._join(seen)
+            return None
+        now = time.monotonic()
+        if len(joiners) >= self._config.min_nodes:
+            self._min_met_at.setdefault(number, now)
+        elif now >= deadline:
+            raise RendezvousTimeout(
+                f"only {len(joiners)} of --min-nodes {self._config.min_nodes} node(s) joined "
+                f"run {self._config.run_id!r} within --join-timeout "
+                f"{self._config.join_timeout_s:g} s; start more nodes or lower --min-nodes"
+            )
+        previous = self.plan(number - 1) if number > 0 else None
+        min_met = self._min_met_at.get(number)
+        settle_left = None if min_met is None else min_met + self._config.settle_s - now
+        inputs = p.CloseInputs(
+            joined=len(joiners), min_nodes=self._config.min_nodes,
+            max_nodes=self._config.max_nodes,
+            all_live_joined=self._live_nodes() <= {j.node_id for j in joiners},
+            first_round=previous is None,
+            settle_elapsed=settle_left is not None and settle_left <= 0,
+        )
+        if p.may_close(inputs):
+            self._close(seen, joiners, previous)
+            return None
+        waits = [deadline - now, 1.0] + ([settle_left] if settle_left is not None else [])
+        return max(min(waits), 0.01)
+
+    def _close(self, seen: RoundView, joiners: list[p.Joiner], previous: p.Plan | None) -> None:
+        number = seen.state.number
+        order = p.rank_order(previous.node_ids if previous else (), joiners)
+        plan = p.build_plan(number, order, self._config.max_nodes,
+                            previous.restart_count if previous else 0, seen.state.cause)
+        failure = self.mirror.get(p.failure_key(self.prefix, number - 1))
+        if previous and p.counts_as_restart(failure is not None, previous.node_ids, plan.node_ids):
+            plan = p.Plan(plan.round, plan.members, plan.master_addr, plan.master_port,
+                          plan.restart_count + 1, plan.cause)
+            if plan.restart_count > self._max_restarts:
+                detail = failure_message(json.loads(failure.value), self._max_restarts)
+                self._cas_round(seen, p.RoundState(number, p.FAILED, "worker-failure", detail))
+                return
+        self._cas_round(seen, p.RoundState(number, p.CLOSED, seen.state.cause),
+                        Put(p.plan_key(self.prefix, number), plan.to_json()))
+
+    # ---- while workers run ------------------------------------------------------
+    def change_reason(self, plan: p.Plan) -> str | None:
+        """Why the workers of `plan` must stop, or None while the plan still holds."""
+        seen = self.current_round()
+        if self.lease.lost.is_set():
+            return "this node's lease expired"
+        if seen is None or seen.state.number > plan.round:
+            cause = seen.state.cause if seen else "round key deleted"
+            return f"round {seen.state.number if seen else '?'} opened ({cause})"
+        if seen.state.state == p.FAILED:
+            return "the job failed"
+        if seen.state.state == p.FINISHED:
+            return None
+        live = self._live_nodes()
+        lost = [node for node in plan.node_ids if node not in live]
+        if lost:
+            self.open_next(seen, f"member-lost: {','.join(lost)}")
+            return f"member(s) lost: {', '.join(lost)}"
+        return None
+
+
+def failure_message(failure: dict, max_restarts: int) -> str:
+    """The one line (plus stderr tail) that ends a job which keeps failing."""
+    how = (f"was killed by signal {failure['signal']}" if failure.get("signal")
+           else f"exited with code {failure.get('exit_code')}")
+    head = (f"worker global rank {failure.get('rank')} (local rank {failure.get('local_rank')}) "
+            f"on node {failure.get('node_id')} {how}; giving up after --max-restarts "
+            f"{max_restarts}")
+    tail = failure.get("stderr_tail") or []
+    if failure.get("log_file"):
+        head += f"; full log: {failure['log_file']}"
+    return head + ("\n  last stderr lines:\n    " + "\n    ".join(tail) if tail else "")
+

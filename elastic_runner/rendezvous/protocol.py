@@ -1,0 +1,248 @@
+"""The rendezvous rules as pure functions: no I/O, no clocks, no project imports.
+
+A round is numbered; agents join it under their lease; it closes once (a
+create-if-absent plan written in the same transaction that flips the round to
+closed). The rules below decide who is in a round, when it may close, the rank
+order, and whether the round that ended counts as a restart. Keeping them pure
+lets a test check a rule without etcd, and lets every agent evaluate them on its
+own copy of the state and still agree: only the closing transaction decides.
+
+Choices written down here:
+- Rank order is stable: members of the previous plan keep their relative order,
+  newcomers follow in the order they joined (etcd create revision).
+- A round closes when it holds --max-nodes joiners; or, after the first round,
+  as soon as every live registered node has joined (a re-formation needs no wait
+  when nobody else is coming); or when --min-nodes is met and the settle time
+  has passed since this agent saw it met.
+- A restart is counted only when workers failed and no member was lost: a crash
+  that follows from a node vanishing is a membership change, not a failure.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+OPEN, CLOSED, FINISHED, FAILED = "open", "closed", "finished", "failed"
+
+
+# ---- key names ------------------------------------------------------------------
+def spec_key(prefix: str) -> str:
+    return f"{prefix}spec"
+
+
+def round_key(prefix: str) -> str:
+    return f"{prefix}round"
+
+
+def nodes_prefix(prefix: str) -> str:
+    return f"{prefix}nodes/"
+
+
+def node_key(prefix: str, node_id: str) -> str:
+    return f"{nodes_prefix(prefix)}{node_id}"
+
+
+def join_prefix(prefix: str, number: int) -> str:
+    return f"{prefix}rounds/{number}/join/"
+
+
+def join_key(prefix: str, number: int, node_id: str) -> str:
+    return f"{join_prefix(prefix, number)}{node_id}"
+
+
+def plan_key(prefix: str, number: int) -> str:
+    return f"{prefix}rounds/{number}/plan"
+
+
+def failure_key(prefix: str, number: int) -> str:
+    return f"{prefix}rounds/{number}/failure"
+
+
+def checkpoint_key(prefix: str) -> str:
+    return f"{prefix}checkpoint/latest"
+
+
+def node_id_from_key(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
+
+# ---- values ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class JobSpec:
+    """What every agent of one run must agree on."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc: int
+    fingerprint: str
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @staticmethod
+    def from_json(raw: bytes) -> "JobSpec":
+        return JobSpec(**json.loads(raw))
+
+
+def spec_conflict(existing: JobSpec, mine: JobSpec) -> str | None:
+    """Describe how `mine` differs from the spec the run started with, or None."""
+    diffs = [
+        f"{name} {getattr(existing, name)!r} (run) vs {getattr(mine, name)!r} (this node)"
+        for name in ("min_nodes", "max_nodes", "nproc", "fingerprint")
+        if getattr(existing, name) != getattr(mine, name)
+    ]
+    return "; ".join(diffs) or None
+
+
+@dataclass(frozen=True)
+class RoundState:
+    number: int
+    state: str
+    cause: str = "start"
+    detail: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @staticmethod
+    def from_json(raw: bytes) -> "RoundState":
+        return RoundState(**json.loads(raw))
+
+
+@dataclass(frozen=True)
+class Joiner:
+    """A node's join record: where it can host the process-group store."""
+
+    node_id: str
+    addr: str
+    port: int
+    nproc: int
+    join_revision: int = 0
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        data.pop("join_revision")
+        return json.dumps(data, sort_keys=True).encode()
+
+    @staticmethod
+    def from_json(raw: bytes, join_revision: int) -> "Joiner":
+        return Joiner(**json.loads(raw), join_revision=join_revision)
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    node_rank: int
+    nproc: int
+    addr: str
+    first_rank: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    round: int
+    members: tuple[Member, ...]
+    master_addr: str
+    master_port: int
+    restart_count: int = 0
+    cause: str = "start"
+
+    @property
+    def world_size(self) -> int:
+        return sum(member.nproc for member in self.members)
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(member.node_id for member in self.members)
+
+    def member(self, node_id: str) -> Member | None:
+        return next((m for m in self.members if m.node_id == node_id), None)
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        data["world_size"] = self.world_size
+        return json.dumps(data, sort_keys=True).encode()
+
+    @staticmethod
+    def from_json(raw: bytes) -> "Plan":
+        data = json.loads(raw)
+        data.pop("world_size", None)
+        data["members"] = tuple(Member(**m) for m in data["members"])
+        return Plan(**data)
+
+    def describe(self) -> str:
+        blocks = ", ".join(
+            f"{m.node_id}=ranks {m.first_rank}..{m.first_rank + m.nproc - 1}" for m in self.members
+        )
+        return (f"round {self.round}: world size {self.world_size} on {len(self.members)} "
+                f"node(s) [{blocks}], master {self.master_addr}:{self.master_port}")
+
+
+# ---- decisions ------------------------------------------------------------------
+def rank_order(previous: tuple[str, ...], joiners: list[Joiner]) -> list[Joiner]:
+    """Survivors keep their relative order; newcomers follow by join revision."""
+    position = {node_id: index for index, node_id in enumerate(previous)}
+    survivors = sorted((j for j in joiners if j.node_id in position),
+                       key=lambda j: position[j.node_id])
+    newcomers = sorted((j for j in joiners if j.node_id not in position),
+                       key=lambda j: (j.join_revision, j.node_id))
+    return survivors + newcomers
+
+
+@dataclass(frozen=True)
+class CloseInputs:
+    joined: int
+    min_nodes: int
+    max_nodes: int
+    all_live_joined: bool
+    first_round: bool
+    settle_elapsed: bool
+
+
+def may_close(inputs: CloseInputs) -> bool:
+    if inputs.joined < inputs.min_nodes:
+        return False
+    if inputs.joined >= inputs.max_nodes or inputs.settle_elapsed:
+        return True
+    return inputs.all_live_joined and not inputs.first_round
+
+
+def counts_as_restart(failed: bool, previous: tuple[str, ...], members: tuple[str, ...]) -> bool:
+    return failed and set(previous) <= set(members)
+
+
+def build_plan(number: int, ordered: list[Joiner], max_nodes: int, restart_count: int,
+               cause: str) -> Plan:
+    """Take the first max_nodes joiners; node ranks contiguous, global ranks by blocks."""
+    chosen = ordered[:max_nodes]
+    members, first_rank = [], 0
+    for node_rank, joiner in enumerate(chosen):
+        members.append(Member(joiner.node_id, node_rank, joiner.nproc, joiner.addr, first_rank))
+        first_rank += joiner.nproc
+    host = chosen[0]
+    return Plan(number, tuple(members), host.addr, host.port, restart_count, cause)
+
+
+@dataclass(frozen=True)
+class RankAssignment:
+    """The torchrun environment of one worker, derived from a plan."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    group_rank: int
+    group_world_size: int
+    extra: dict = field(default_factory=dict)
+
+
+def assign_ranks(plan: Plan, node_id: str) -> list[RankAssignment]:
+    member = plan.member(node_id)
+    if member is None:
+        return []
+    return [
+        RankAssignment(member.first_rank + local, local, plan.world_size, member.nproc,
+                       member.node_rank, len(plan.members))
+        for local in range(member.nproc)
+    ]

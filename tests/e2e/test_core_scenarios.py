@@ -1,0 +1,105 @@
+"""Issue 3's scenarios: real etcd, real agents, real gloo workers on localhost."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def ranks_by_node(rows: list[dict]) -> dict[str, set[tuple[int, int]]]:
+    """Group (global rank, local rank) by the node's group rank."""
+    nodes: dict[str, set[tuple[int, int]]] = {}
+    for row in rows:
+        nodes.setdefault(row["GROUP_RANK"], set()).add((int(row["RANK"]), int(row["LOCAL_RANK"])))
+    return nodes
+
+
+def test_three_nodes_form_world_six_with_contiguous_ranks(job):
+    job.start("a", "b", "c")
+    rows = job.wait_world(6)
+    assert {int(r["RANK"]) for r in rows} == set(range(6))
+    nodes = ranks_by_node(rows)
+    assert len(nodes) == 3
+    for group_rank, ranks in nodes.items():
+        assert {local for _, local in ranks} == {0, 1}
+        assert {rank for rank, _ in ranks} == {2 * int(group_rank), 2 * int(group_rank) + 1}
+    assert {r["GROUP_WORLD_SIZE"] for r in rows} == {"3"}
+    assert {r["LOCAL_WORLD_SIZE"] for r in rows} == {"2"}
+    assert {r["reduced"] for r in rows} == {6}  # every all-reduce saw the whole world
+
+
+def test_kill_rank0_host_then_sigterm_another(job):
+    job.start("a", "b", "c")
+    rows = job.wait_world(6)
+    host = next(r for r in rows if r["RANK"] == "0")
+    victim = next(n for n in "abc" if f"ranks 0..1" in _plan_line(job, n, host["ELASTIC_RUN_ROUND"]))
+    killed_at = time.time()
+    job.kill(victim)
+    rows = job.wait_world(4, after=killed_at, timeout=30)
+    assert {int(r["RANK"]) for r in rows} == set(range(4))
+    assert {r["MASTER_PORT"] for r in rows} != {host["MASTER_PORT"]}
+    first = min(r["t"] for r in rows)
+    print(f"SIGKILL of the rank-0 node -> first step at world 4: {first - killed_at:.2f} s")
+
+    survivors = [n for n in "abc" if n != victim]
+    leaving_at = time.time()
+    job.terminate(survivors[0])
+    rows = job.wait_world(2, after=leaving_at, timeout=30)
+    assert {int(r["RANK"]) for r in rows} == {0, 1}
+    first = min(r["t"] for r in rows)
+    print(f"SIGTERM -> first step at world 2: {first - leaving_at:.2f} s")
+    # Graceful leave revokes the lease: its node key is gone the moment the agent
+    # exits (an expiring lease would keep it for up to the TTL).
+    assert job.wait_exit(survivors[0], timeout=20) in (0, 128 + signal.SIGTERM)
+    assert job.node_keys() == {survivors[1]}
+    # Membership changes are not worker failures: the restart count stays 0.
+    assert {r["TORCHELASTIC_RESTART_COUNT"] for r in job.steps()} == {"0"}
+
+
+def _plan_line(job, node: str, round_id: str) -> str:
+    for line in job.agent_log(node).splitlines():
+        if f"round {round_id}:" in line:
+            return line.split("[", 2)[-1]
+    return ""
+
+
+def test_new_node_scales_the_job_up(job):
+    job.start("a", "b")
+    job.wait_world(4)
+    joined_at = time.time()
+    job.start("c")
+    rows = job.wait_world(6, after=joined_at, timeout=30)
+    assert {int(r["RANK"]) for r in rows} == set(range(6))
+    print(f"join -> first step at world 6: {min(r['t'] for r in rows) - joined_at:.2f} s")
+
+
+def test_below_min_nodes_survivors_wait_then_continue(job):
+    job.min_nodes = 2
+    job.start("a", "b")
+    job.wait_world(4)
+    killed_at = time.time()
+    job.kill("b")
+    time.sleep(job.lease_ttl + job.settle + 2)
+    # Below --min-nodes the survivor neither trains alone nor gives up.
+    assert not [r for r in job.steps() if r["t"] > killed_at + job.lease_ttl + 1]
+    assert job.agents["a"].poll() is None
+    returned_at = time.time()
+    job.start("c")
+    rows = job.wait_world(4, after=returned_at, timeout=30)
+    assert {int(r["RANK"]) for r in rows} == set(range(4))
+
+
+def test_five_agents_started_together_agree_on_one_plan(job):
+    job.max_nodes = 5
+    job.nproc = 1
+    job.start(*"abcde")
+    rows = job.wait_world(5, timeout=60)
+    assert {int(r["RANK"]) for r in rows} == set(range(5))
+    # Every agent printed the same plan for that round.
+    round_id = rows[0]["ELASTIC_RUN_ROUND"]
+    plans = {_plan_line(job, n, round_id) for n in "abcde"}
+    assert len(plans) == 1 and plans != {""}

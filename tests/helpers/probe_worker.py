@@ -1,0 +1,46 @@
+"""A gloo worker for end-to-end tests: logs what the launcher gave it, step by step.
+
+Each step all-reduces a counter so a step only completes when the whole world is
+present; every rank appends one JSON line per step to --out.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=1_000_000)
+    parser.add_argument("--step-time", type=float, default=0.1)
+    parser.add_argument("--fail-at-step", type=int, default=-1)
+    parser.add_argument("--fail-rank", type=int, default=0)
+    args = parser.parse_args()
+
+    env = {k: os.environ[k] for k in (
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+        "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+        "ELASTIC_RUN_ROUND")}
+    rank = int(env["RANK"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    with open(args.out, "a", buffering=1) as out:
+        for step in range(args.steps):
+            if step == args.fail_at_step and rank == args.fail_rank:
+                raise SystemExit(f"injected failure at step {step} on rank {rank}")
+            total = torch.ones(1)
+            dist.all_reduce(total)
+            out.write(json.dumps({"step": step, "t": time.time(), "pid": os.getpid(),
+                                  "reduced": int(total.item()), **env}) + "\n")
+            time.sleep(args.step_time)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
