@@ -228,19 +228,11 @@ class Checkpointer:
     (async_save) is internal.
     """
 
-    def __init__(
-        self,
-        url_or_path: str | os.PathLike[str],
-        keep: int | None = 3,
-        every: int | None = None,
-        async_save: bool = False,
-        rank: int | None = None,
-        latest_store: LatestStore | None = None,
-        *,
-        weights_only: bool = True,
-        world_size: int | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, url_or_path: str | os.PathLike[str], keep: int | None = 3,
+                 every: int | None = None, async_save: bool = False, rank: int | None = None,
+                 latest_store: LatestStore | None = None, *, weights_only: bool = True,
+                 world_size: int | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         """Open the root; rank 0 proves it can write there now, not at step N.
 
         Args:
@@ -258,8 +250,9 @@ class Checkpointer:
             CheckpointError: rank 0 cannot write to the root, or no fsspec backend.
         """
         self.config = CheckpointConfig(keep, every, async_save, weights_only)
-        self.rank = _dist_rank() if rank is None else rank
-        self._world_size = _dist_world_size() if world_size is None else world_size
+        dist_rank, dist_world = _dist_rank_and_size()
+        self.rank = dist_rank if rank is None else rank
+        self._world_size = dist_world if world_size is None else world_size
         self._storage = _Storage(os.fspath(url_or_path), storage_options or {})
         self._latest = latest_store
         self._requested = threading.Event()
@@ -428,17 +421,34 @@ class Checkpointer:
     def _write(self, step: int, state: Any) -> None:
         buf = io.BytesIO()
         torch.save(state, buf)
-        manifest = self._commit(step, buf.getvalue())
-        self._publish(manifest)
+        data = buf.getvalue()
+        sha = hashlib.sha256(data).hexdigest()
+        self._check_fence(step, sha)
+        self._publish(self._commit(step, data, sha))
         self._prune(step)
 
-    def _commit(self, step: int, data: bytes) -> dict[str, Any]:
-        """Rewriting a committed step is allowed: the latest store's sha decides."""
+    def _check_fence(self, step: int, sha: str) -> None:
+        """Keep a writer already known to be stale from clobbering published files.
+
+        publish() stays authoritative: the record can move after this read.
+        """
+        rec = self._latest.read() if self._latest is not None else None
+        if rec and (rec["step"] > step or (rec["step"] == step and rec["sha256"] != sha)):
+            raise self._stale(step)
+
+    def _stale(self, step: int) -> StaleWriterError:
+        root = self._storage.url(self._storage.root)
+        return StaleWriterError(
+            f"latest_store refused checkpoint step {step} under {root}: a newer step is "
+            "recorded or this writer was fenced (its round is over). Stop this worker "
+            "and let the launcher restart it."
+        )
+
+    def _commit(self, step: int, data: bytes, sha: str) -> dict[str, Any]:
+        """Rewriting an unpublished step is allowed; the newest write wins."""
         d, st = self._dir(step), self._storage
-        manifest: dict[str, Any] = {
-            "format": FORMAT, "step": step, "sha256": hashlib.sha256(data).hexdigest(),
-            "bytes": len(data), "created": time.time(),
-        }
+        manifest: dict[str, Any] = {"format": FORMAT, "step": step, "sha256": sha,
+                                    "bytes": len(data), "created": time.time()}
         if self._world_size is not None:
             manifest["world_size"] = self._world_size
         wrote_state, made_dir = False, not st.fs.exists(d)
@@ -469,15 +479,11 @@ class Checkpointer:
     def _publish(self, manifest: dict[str, Any]) -> None:
         if self._latest is None:
             return
-        step, sha = manifest["step"], manifest["sha256"]
-        url = self._storage.url(self._dir(step))
-        record = {"url": url, "step": step, "sha256": sha, "world_size": manifest.get("world_size")}
+        step = manifest["step"]
+        record = {"url": self._storage.url(self._dir(step)), "step": step,
+                  "sha256": manifest["sha256"], "world_size": manifest.get("world_size")}
         if not self._latest.publish(record):
-            raise StaleWriterError(
-                f"latest_store refused checkpoint step {step} ({url}): a newer step is "
-                "recorded or this writer was fenced (its round is over). The files stay "
-                "but are not the latest; stop this worker and let the launcher restart it."
-            )
+            raise self._stale(step)  # the files stay, but are not the latest
 
     def _prune(self, step: int) -> None:
         """Keep `keep` verified steps counting this one; delete older verified only."""
@@ -513,10 +519,8 @@ def _check_digest(manifest: Mapping[str, Any], size: int, sha: str) -> None:
 
 
 def _snapshot(obj: Any, memo: dict[int, torch.Tensor]) -> Any:
-    """CPU copy made in the caller's thread so training may mutate right after.
-
-    The memo keeps a tensor that appears twice (tied weights) shared in the copy.
-    """
+    """CPU copy made in the caller's thread so training may mutate right after."""
+    # memo: a tensor that appears twice (tied weights) stays shared in the copy.
     if isinstance(obj, torch.Tensor):
         if id(obj) not in memo:
             memo[id(obj)] = obj.detach().to("cpu", copy=True)
@@ -528,9 +532,7 @@ def _snapshot(obj: Any, memo: dict[int, torch.Tensor]) -> Any:
     return copy.deepcopy(obj)
 
 
-def _dist_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _dist_world_size() -> int | None:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+def _dist_rank_and_size() -> tuple[int, int | None]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, None

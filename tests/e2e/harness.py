@@ -41,7 +41,8 @@ class Job:
         flags = {"--rdzv-endpoints": self.endpoint, "--run-id": self.run_id, "--node-id": node,
                  "--min-nodes": self.min_nodes, "--max-nodes": self.max_nodes,
                  "--nproc-per-node": self.nproc, "--lease-ttl": self.lease_ttl,
-                 "--settle": self.settle, "--stop-grace": 2, **overrides}
+                 "--settle": self.settle, "--stop-grace": 2,
+                 **{"--" + name.replace("_", "-"): value for name, value in overrides.items()}}
         argv = [sys.executable, "-m", "elastic_runner"]
         for flag, value in flags.items():
             argv += [flag, str(value)]

@@ -21,6 +21,8 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.1)
     parser.add_argument("--fail-at-step", type=int, default=-1)
     parser.add_argument("--fail-rank", type=int, default=0)
+    parser.add_argument("--fail-only-first", action="store_true",
+                        help="inject the failure only while TORCHELASTIC_RESTART_COUNT is 0")
     args = parser.parse_args()
 
     env = {k: os.environ[k] for k in (
@@ -32,7 +34,9 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     with open(args.out, "a", buffering=1) as out:
         for step in range(args.steps):
-            if step == args.fail_at_step and rank == args.fail_rank:
+            first_run = env["TORCHELASTIC_RESTART_COUNT"] == "0"
+            if step == args.fail_at_step and rank == args.fail_rank and (
+                    first_run or not args.fail_only_first):
                 raise SystemExit(f"injected failure at step {step} on rank {rank}")
             total = torch.ones(1)
             dist.all_reduce(total)

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Sets up .venv (scripts/setup.sh) and runs the whole test suite: unit (no I/O),
+# integration (a real etcd started on free loopback ports) and e2e (real agents
+# and gloo workers on localhost). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest -q "$@"

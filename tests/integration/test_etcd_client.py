@@ -1,0 +1,75 @@
+"""The client facade against every etcd version we support (3.5 wheel; 3.4 Debian)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from elastic_runner.config import EtcdConfig
+from elastic_runner.errors import EtcdUnavailable
+from elastic_runner.etcd.client import EtcdClient, Put, key_missing, mod_revision_is
+from elastic_runner.etcd.lease import KeptLease
+from elastic_runner.etcd.mirror import PrefixMirror
+
+
+def make_client(endpoint: str, deadline: float = 5.0) -> EtcdClient:
+    return EtcdClient(EtcdConfig((endpoint,), timeout_s=2.0, retry_deadline_s=deadline))
+
+
+def test_put_get_txn_and_prefix(etcd_any_version):
+    client = make_client(etcd_any_version.endpoint)
+    revision = client.put("/t/a", b"1")
+    assert client.get("/t/a").value == b"1"
+    assert client.get("/t/missing") is None
+    assert client.create_if_absent("/t/b", b"2") is True
+    assert client.create_if_absent("/t/b", b"3") is False
+    result = client.txn([mod_revision_is("/t/a", revision)], [Put("/t/a", b"won")])
+    assert result.succeeded and client.get("/t/a").value == b"won"
+    assert not client.txn([mod_revision_is("/t/a", revision)], [Put("/t/a", b"lost")]).succeeded
+    entries, _ = client.get_prefix("/t/")
+    assert [(kv.key, kv.value) for kv in entries] == [("/t/a", b"won"), ("/t/b", b"2")]
+    assert client.server_version().startswith("3.")
+    client.close()
+
+
+def test_lease_revoke_deletes_keys_and_expiry_is_reported(etcd_any_version):
+    client = make_client(etcd_any_version.endpoint)
+    lost = threading.Event()
+    lease = KeptLease(client, ttl_s=1, on_lost=lost.set)
+    client.put("/l/kept", b"x", lease=lease.id)
+    assert lost.wait(2.5) is False  # kept alive past its TTL
+    assert client.get("/l/kept") is not None
+    lease.revoke()
+    assert client.get("/l/kept") is None
+    orphan = client.grant_lease(1)
+    assert client.refresh_lease(orphan, deadline_s=2.0) > 0
+    client.revoke_lease(orphan)
+    assert client.refresh_lease(orphan, deadline_s=2.0) <= 0
+    client.close()
+
+
+def test_mirror_follows_the_prefix_across_a_server_restart(etcd_any_version):
+    client = make_client(etcd_any_version.endpoint, deadline=15.0)
+    client.put("/m/before", b"1")
+    mirror = PrefixMirror(client, "/m/")
+    mirror.start()
+    assert mirror.get("/m/before").value == b"1"
+    etcd_any_version.stop()
+    etcd_any_version.start()
+    client.put("/m/after", b"2")
+    client.txn([key_missing("/m/gone")], [Put("/m/gone", b"x")])
+    assert mirror.wait_until(lambda: mirror.get("/m/gone") is not None, timeout_s=15)
+    assert sorted(kv.key for kv in mirror.under("/m/")) == ["/m/after", "/m/before", "/m/gone"]
+    mirror.stop()
+    client.close()
+
+
+def test_unreachable_endpoint_is_a_typed_error_naming_it():
+    from elastic_runner.etcd.server import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    client = make_client(endpoint, deadline=1.0)
+    with pytest.raises(EtcdUnavailable, match=endpoint):
+        client.get("/x")
+    client.close()
