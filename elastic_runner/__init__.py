@@ -1,3 +1,34 @@
-"""elastic-runner: an elastic, fault-tolerant launcher for PyTorch training."""
+"""elastic-runner: an elastic, fault-tolerant launcher for PyTorch training.
+
+The worker-side API (see examples/train_mlp.py)::
+
+    import elastic_runner as er
+    with er.init() as ctx:
+        sampler = er.ElasticSampler(n, global_batch_size=64)
+        ckpt = er.Checkpointer("/shared/ckpt", keep=3, every=50)
+        ...
+
+Names resolve lazily so the agent (`elastic-run`) never pays for importing torch.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "init": "runtime", "finish": "runtime", "current": "runtime", "Context": "runtime",
+    "Checkpointer": "runtime", "EXIT_FOR_RESIZE": "runtime",
+    "CheckpointError": "checkpoint", "StaleWriterError": "checkpoint",
+    "MemoryLatestStore": "checkpoint",
+    "ElasticSampler": "data",
+    "BatchPolicy": "scaling", "BatchPlan": "scaling", "parse_policy": "scaling",
+    "plan_batch": "scaling",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(f"elastic_runner.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'elastic_runner' has no attribute {name!r}")

@@ -4,27 +4,36 @@ One loop: wait for a plan that includes this node, start the workers with the
 plan's ranks, watch them and the membership, and on any change stop the workers
 at once and go round again. Worker failures are reported to etcd so the job-wide
 restart count (decided by whoever closes the next round) names the real culprit.
+
+A spot notice (SIGTERM with --notice-deadline > 0, --notice-file appearing, or
+`elastic-run notice`) is announced in etcd; every agent of the round then drops
+a notice file its workers check at each step boundary (see runtime.py), so rank
+0 checkpoints the last finished step before the departing node leaves.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from elastic_runner.config import AgentConfig
+from elastic_runner.config import AgentConfig, EtcdConfig
 from elastic_runner.errors import ShutdownRequested, WorkerFailure
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.rendezvous.handler import EtcdRendezvous, failure_message
 from elastic_runner.rendezvous.protocol import FINISHED, JobSpec, Plan
-from elastic_runner.workers import WorkerExit, WorkerGroup
+from elastic_runner.workers import EXIT_FOR_RESIZE, WorkerExit, WorkerGroup
 
 log = logging.getLogger("elastic_runner")
 
-SUCCEEDED, FAILED, CHANGED, SHUTDOWN = "succeeded", "failed", "changed", "shutdown"
+SUCCEEDED, FAILED, CHANGED, SHUTDOWN, NOTICE = "succeeded", "failed", "changed", "shutdown", \
+    "notice"
 
 
 @dataclass(frozen=True)
@@ -35,13 +44,17 @@ class Outcome:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, client: EtcdClient, base_env: dict[str, str]):
+    def __init__(self, config: AgentConfig, client: EtcdClient, etcd: EtcdConfig,
+                 base_env: dict[str, str]):
         self._config = config
         self._rdzv_config = config.rendezvous
-        self._base_env = base_env
         spec = JobSpec(config.rendezvous.min_nodes, config.rendezvous.max_nodes,
                        config.workers.nproc, config.workers.fingerprint)
         self.rendezvous = EtcdRendezvous(client, config.rendezvous, spec, config.max_restarts)
+        self._scratch = Path(tempfile.mkdtemp(prefix="elastic-run-agent-"))
+        self._notice_path = self._scratch / "notice"
+        self._base_env = {**base_env, **worker_etcd_env(etcd, config.rendezvous.prefix),
+                          "ELASTIC_RUN_NOTICE_PATH": str(self._notice_path)}
         self._signal: int | None = None
         self._signal_seen = threading.Event()
 
@@ -72,6 +85,7 @@ class Agent:
             return self._shutdown_code(workers_ok=True)
         finally:
             self.rendezvous.leave()
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _rounds(self) -> int:
         previous: Plan | None = None
@@ -87,16 +101,22 @@ class Agent:
                 return 0
             if outcome.kind == SHUTDOWN:
                 return self._graceful_exit(group)
-            group.stop(self._config.workers.stop_grace_s)
+            if outcome.kind == NOTICE:
+                return self._depart(group, plan)
             if outcome.kind == FAILED:
+                group.stop(self._config.workers.stop_grace_s)
                 cause = self._record_failure(plan, outcome.failure)
             else:
                 cause = outcome.reason
                 log.info("membership changed: %s; stopping workers and re-forming", cause)
+                if "newcomer" in cause:
+                    self._drain(group)
+                group.stop(self._config.workers.stop_grace_s)
             previous = plan
 
     def _start(self, plan: Plan, previous: Plan | None, paused_at: float) -> WorkerGroup:
         log.info("%s", plan.describe())
+        self._notice_path.unlink(missing_ok=True)
         group = WorkerGroup.start(plan, self._rdzv_config.node_id, self._rdzv_config.run_id,
                                   self._config.max_restarts, self._config.workers, self._base_env,
                                   echo=self._config.verbosity >= 1)
@@ -110,6 +130,8 @@ class Agent:
         mirror = self.rendezvous.mirror
         while True:
             generation = mirror.generation
+            if self._notice_received(plan):
+                return Outcome(NOTICE)
             if self._signal_seen.is_set():
                 return Outcome(SHUTDOWN)
             if group.all_succeeded():
@@ -117,9 +139,12 @@ class Agent:
             failure = group.first_failure()
             if failure is not None:
                 return Outcome(FAILED, failure=failure)
+            if group.stopped_for_resize():
+                return Outcome(CHANGED, "workers checkpointed and stopped for a spot notice")
             reason = self.rendezvous.change_reason(plan)
             if reason:
                 return Outcome(CHANGED, reason)
+            self._relay_notices(plan)
             mirror.wait(self._config.workers.monitor_interval_s, generation)
 
     def _record_failure(self, plan: Plan, failure: WorkerExit) -> str:
@@ -134,12 +159,64 @@ class Agent:
         self.rendezvous.report_failure(plan.round, record)
         return f"worker-failure: rank {failure.rank} on {self._rdzv_config.node_id}"
 
+    # ---- spot notice ------------------------------------------------------------
+    def _notice_received(self, plan: Plan) -> bool:
+        """True once this node is told it will be reclaimed (and it has said so)."""
+        by_signal = self._signal == signal.SIGTERM and self._config.notice_deadline_s > 0
+        by_file = self._config.notice_file is not None and self._config.notice_file.exists()
+        by_etcd = self._rdzv_config.node_id in self.rendezvous.notices(plan)
+        if by_signal or by_file or by_etcd:
+            self.rendezvous.give_notice(plan.round)
+            return True
+        return False
+
+    def _relay_notices(self, plan: Plan) -> None:
+        leaving = self.rendezvous.notices(plan)
+        if leaving and not self._notice_path.exists():
+            log.info("spot notice from %s: asking workers to checkpoint at the next step",
+                     ", ".join(leaving))
+            self._notice_path.touch()
+
+    def _workers_take_notices(self) -> bool:
+        return self._notice_path.with_suffix(".ready").exists()
+
+    def _drain(self, group: WorkerGroup) -> bool:
+        """Ask workers to checkpoint the step they are on and exit; True if they did.
+
+        Used when nothing is lost by waiting a step: a newcomer (scale-up) or a
+        member that announced its departure. A crash gets no such courtesy.
+        """
+        if not self._workers_take_notices():
+            return False
+        self._notice_path.touch()
+        if group.wait(self._config.notice_deadline_s):
+            return True
+        log.warning("workers did not checkpoint within --notice-deadline %.0f s; stopping them",
+                    self._config.notice_deadline_s)
+        return False
+
+    def _depart(self, group: WorkerGroup, plan: Plan) -> int:
+        """Let rank 0 checkpoint the last step, then leave so the rest re-form.
+
+        Workers that never built an er.Checkpointer cannot act on a notice (no
+        `.ready` marker): they are stopped at once, as on a plain SIGTERM.
+        """
+        if not self._workers_take_notices():
+            return self._graceful_exit(group)
+        log.info("spot notice: workers get up to %.0f s to checkpoint, then this node leaves",
+                 self._config.notice_deadline_s)
+        self._drain(group)
+        group.stop(self._config.workers.stop_grace_s)
+        self.rendezvous.leave()
+        ok = all(e is not None and e.exit_code in (0, EXIT_FOR_RESIZE) for e in group.poll())
+        return 0 if ok else 128 + signal.SIGTERM
+
     # ---- leaving ----------------------------------------------------------------
     def _graceful_exit(self, group: WorkerGroup) -> int:
         """Forward the signal, let peers re-form at once, wait for our workers."""
         log.info("%s received: forwarding to workers and leaving the run", self._signal_name())
-        group.signal_all(self._signal or signal.SIGTERM)
         self.rendezvous.leave()
+        group.signal_all(self._signal or signal.SIGTERM)
         if not group.wait(self._config.workers.stop_grace_s):
             group.stop(0)
         return self._shutdown_code(workers_ok=group.all_succeeded())
@@ -151,6 +228,17 @@ class Agent:
 
     def _signal_name(self) -> str:
         return signal.Signals(self._signal).name if self._signal else "signal"
+
+
+def worker_etcd_env(etcd: EtcdConfig, prefix: str) -> dict[str, str]:
+    """What a worker needs to reach etcd for the checkpoint record (never logged)."""
+    env = {"ELASTIC_RUN_ETCD_ENDPOINTS": ",".join(etcd.endpoints),
+           "ELASTIC_RUN_ETCD_PREFIX": prefix}
+    for name in ("cacert", "cert", "key", "user", "password"):
+        value = getattr(etcd, name)
+        if value:
+            env[f"ELASTIC_RUN_ETCD_{name.upper()}"] = value
+    return env
 
 
 def default_node_id() -> str:

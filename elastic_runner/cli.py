@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds between SIGTERM and SIGKILL when stopping workers")
     run.add_argument("--monitor-interval", type=float, default=0.1,
                      help="seconds between checks of worker processes")
+    run.add_argument("--notice-deadline", type=float, default=25.0,
+                     help="seconds a spot notice (SIGTERM) gives rank 0 to checkpoint the current "
+                          "step before this node's workers stop; 0 stops them at once")
+    run.add_argument("--notice-file", help="treat this file appearing as a spot notice "
+                     "(for cloud metadata watchers)")
     run.add_argument("--log-dir", help="keep each worker's output in DIR/RUN_ID/roundN/rankR.log")
     run.add_argument("-m", "--module", dest="module", action="store_true",
                      help="run the entry point as a module (python -m)")
@@ -103,6 +108,27 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str])
                 action.default = action.type(raw) if action.type else raw
             except ValueError as exc:
                 raise ConfigError(f"{name}={raw!r} is not valid for {long_flags[0]}: {exc}")
+
+
+def given_on_command_line(argv: list[str]) -> set[str]:
+    """Destinations set by argv itself, so the command line can beat the environment."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    namespace, _ = parser.parse_known_args(argv)
+    return set(vars(namespace))
+
+
+def resolve_node_flags(args, explicit: set[str]) -> None:
+    """--nnodes and --min/--max-nodes are two spellings; keep the command line's."""
+    from_argv_nnodes = "nnodes" in explicit
+    from_argv_minmax = bool({"min_nodes", "max_nodes"} & explicit)
+    if from_argv_nnodes and from_argv_minmax:
+        raise ConfigError("give either --nnodes or --min-nodes/--max-nodes, not both")
+    if from_argv_nnodes:
+        args.min_nodes = args.max_nodes = None
+    elif from_argv_minmax:
+        args.nnodes = None
 
 
 def parse_nodes(args) -> tuple[int, int]:
@@ -222,11 +248,21 @@ def build_config(args, environ: dict[str, str], gpu_count: int) -> AgentConfig:
     rendezvous = RendezvousConfig(
         run_id, args.node_id or default_node_id(), min_nodes, max_nodes, args.lease_ttl,
         args.join_timeout, args.settle, args.master_addr or local_address(endpoints),
-        args.master_port)
+        args.master_port, drain_timeout_s=args.notice_deadline + args.stop_grace)
     workers = WorkerConfig(argv, nproc, fingerprint, args.stop_grace, args.monitor_interval,
                            Path(args.log_dir) if args.log_dir else None, gpu_count)
     verbosity = 0 if args.quiet else 1 + args.verbose
-    return AgentConfig(rendezvous, etcd, workers, args.max_restarts, verbosity)
+    return AgentConfig(rendezvous, etcd, workers, args.max_restarts, verbosity,
+                       args.notice_deadline, Path(args.notice_file) if args.notice_file else None)
+
+
+def parse_args(argv: list[str], environ: dict[str, str]) -> argparse.Namespace:
+    """Flags from argv, else from ELASTIC_RUN_* variables, else defaults."""
+    parser = build_parser()
+    apply_env_defaults(parser, environ)
+    args = parser.parse_args(argv)
+    resolve_node_flags(args, given_on_command_line(argv))
+    return args
 
 
 def setup_logging(verbosity: int, node_id: str) -> None:
@@ -244,9 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     environ = dict(os.environ)
     verbose = "-v" in argv or "--verbose" in argv
     try:
-        parser = build_parser()
-        apply_env_defaults(parser, environ)
-        args = parser.parse_args(argv)
+        args = parse_args(argv, environ)
         config = build_config(args, environ, count_gpus() if args.nproc_per_node in
                               ("auto", "gpu") else 0)
         setup_logging(config.verbosity, config.rendezvous.node_id)

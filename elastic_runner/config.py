@@ -42,6 +42,9 @@ class RendezvousConfig:
     settle_s: float = 2.0
     node_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # How long a new round waits for live members of the last one that have not
+    # joined yet: they may be writing the checkpoint this resize resumes from.
+    drain_timeout_s: float = 30.0
 
     @property
     def prefix(self) -> str:
@@ -70,3 +73,7 @@ class AgentConfig:
     workers: WorkerConfig
     max_restarts: int = 3
     verbosity: int = 1
+    # After a spot notice (SIGTERM, --notice-file, `elastic-run notice`), how long
+    # the workers get to write the emergency checkpoint before they are stopped.
+    notice_deadline_s: float = 25.0
+    notice_file: Path | None = None

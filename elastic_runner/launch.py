@@ -36,6 +36,6 @@ def launch(config: AgentConfig, environ: dict[str, str]) -> int:
         log.info("run id: %s", config.rendezvous.run_id)
         client = connect(etcd_config)
         stack.callback(client.close)
-        agent = Agent(config, client, environ)
+        agent = Agent(config, client, etcd_config, environ)
         agent.install_signal_handlers()
         return agent.run()

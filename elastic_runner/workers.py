@@ -23,6 +23,9 @@ from elastic_runner.config import WorkerConfig
 from elastic_runner.rendezvous.protocol import Plan, RankAssignment, assign_ranks
 
 STDERR_TAIL_LINES = 20
+# A worker that checkpointed for a spot notice exits with this (EX_TEMPFAIL):
+# membership is changing, nothing failed. Mirrors runtime.EXIT_FOR_RESIZE.
+EXIT_FOR_RESIZE = 75
 
 
 def worker_env(base: dict[str, str], plan: Plan, ranks: RankAssignment, run_id: str,
@@ -148,8 +151,12 @@ class WorkerGroup:
         return [w.poll() for w in self._workers]
 
     def first_failure(self) -> WorkerExit | None:
-        failed = [e for e in self.poll() if e is not None and e.exit_code != 0]
+        failed = [e for e in self.poll()
+                  if e is not None and e.exit_code not in (0, EXIT_FOR_RESIZE)]
         return min(failed, key=lambda e: e.at) if failed else None
+
+    def stopped_for_resize(self) -> bool:
+        return any(e is not None and e.exit_code == EXIT_FOR_RESIZE for e in self.poll())
 
     def all_succeeded(self) -> bool:
         return all(e is not None and e.exit_code == 0 for e in self.poll())

@@ -47,6 +47,7 @@ class EtcdRendezvous:
         self.lease: KeptLease | None = None
         self.shutdown = threading.Event()
         self._min_met_at: dict[int, float] = {}
+        self._opened_at: dict[int, float] = {}
 
     # ---- membership -------------------------------------------------------------
     def register(self) -> None:
@@ -119,6 +120,20 @@ class EtcdRendezvous:
         self._client.create_if_absent(p.failure_key(self.prefix, number),
                                       json.dumps(failure).encode())
 
+    def give_notice(self, round_number: int) -> None:
+        """Announce that this node is about to be reclaimed (bound to our lease)."""
+        record = json.dumps({"round": round_number}).encode()
+        self._client.put(p.notice_key(self.prefix, self.node_id), record, lease=self.lease.id)
+
+    def notices(self, plan: p.Plan) -> list[str]:
+        """Members of `plan` that announced their departure during its round."""
+        found = []
+        for kv in self.mirror.under(p.notice_prefix(self.prefix)):
+            node = p.node_id_from_key(kv.key)
+            if node in plan.node_ids and json.loads(kv.value).get("round") == plan.round:
+                found.append(node)
+        return found
+
     def finish(self, plan: p.Plan) -> None:
         seen = self.current_round()
         if seen and seen.state.number == plan.round and seen.state.state == p.CLOSED:
@@ -180,6 +195,7 @@ class EtcdRendezvous:
             self._join(seen)
             return None
         now = time.monotonic()
+        opened_at = self._opened_at.setdefault(number, now)
         if len(joiners) >= self._config.min_nodes:
             self._min_met_at.setdefault(number, now)
         elif now >= deadline:
@@ -191,18 +207,22 @@ class EtcdRendezvous:
         previous = self.plan(number - 1) if number > 0 else None
         min_met = self._min_met_at.get(number)
         settle_left = None if min_met is None else min_met + self._config.settle_s - now
+        live, joined = self._live_nodes(), {j.node_id for j in joiners}
+        drain_left = opened_at + self._config.drain_timeout_s - now
         inputs = p.CloseInputs(
             joined=len(joiners), min_nodes=self._config.min_nodes,
             max_nodes=self._config.max_nodes,
-            all_live_joined=self._live_nodes() <= {j.node_id for j in joiners},
+            all_live_joined=live <= joined,
             first_round=previous is None,
             settle_elapsed=settle_left is not None and settle_left <= 0,
+            members_draining=bool(previous) and bool(
+                (set(previous.node_ids) & live) - joined) and drain_left > 0,
         )
         if p.may_close(inputs):
             self._close(seen, joiners, previous)
             return None
-        waits = [deadline - now, 1.0] + ([settle_left] if settle_left is not None else [])
-        return max(min(waits), 0.01)
+        waits = [w for w in (deadline - now, drain_left, settle_left) if w is not None and w > 0]
+        return min(waits + [1.0])
 
     def _close(self, seen: RoundView, joiners: list[p.Joiner], previous: p.Plan | None) -> None:
         number = seen.state.number

@@ -13,7 +13,9 @@ Choices written down here:
 - A round closes when it holds --max-nodes joiners; or, after the first round,
   as soon as every live registered node has joined (a re-formation needs no wait
   when nobody else is coming); or when --min-nodes is met and the settle time
-  has passed since this agent saw it met.
+  has passed since this agent saw it met, unless live members of the previous
+  plan are still missing and the drain timeout (they may be checkpointing for
+  this very resize) has not passed.
 - A restart is counted only when workers failed and no member was lost: a crash
   that follows from a node vanishing is a membership change, not a failure.
 """
@@ -57,6 +59,14 @@ def plan_key(prefix: str, number: int) -> str:
 
 def failure_key(prefix: str, number: int) -> str:
     return f"{prefix}rounds/{number}/failure"
+
+
+def notice_prefix(prefix: str) -> str:
+    return f"{prefix}notice/"
+
+
+def notice_key(prefix: str, node_id: str) -> str:
+    return f"{notice_prefix(prefix)}{node_id}"
 
 
 def checkpoint_key(prefix: str) -> str:
@@ -198,14 +208,19 @@ class CloseInputs:
     all_live_joined: bool
     first_round: bool
     settle_elapsed: bool
+    # Live members of the previous plan have not joined yet but may still be
+    # checkpointing for this resize (within the drain timeout): wait for them.
+    members_draining: bool = False
 
 
 def may_close(inputs: CloseInputs) -> bool:
     if inputs.joined < inputs.min_nodes:
         return False
-    if inputs.joined >= inputs.max_nodes or inputs.settle_elapsed:
+    if inputs.joined >= inputs.max_nodes:
         return True
-    return inputs.all_live_joined and not inputs.first_round
+    if inputs.all_live_joined and not inputs.first_round:
+        return True
+    return inputs.settle_elapsed and not inputs.members_draining
 
 
 def counts_as_restart(failed: bool, previous: tuple[str, ...], members: tuple[str, ...]) -> bool:

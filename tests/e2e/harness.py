@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROBE = Path(__file__).resolve().parents[1] / "helpers" / "probe_worker.py"
+MLP = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Job:
     settle: float = 1.0
     script_args: tuple[str, ...] = ("--step-time", "0.05")
     extra_flags: tuple[str, ...] = ()
+    script: Path = PROBE
     agents: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -46,8 +48,8 @@ class Job:
         argv = [sys.executable, "-m", "elastic_runner"]
         for flag, value in flags.items():
             argv += [flag, str(value)]
-        return [*argv, *self.extra_flags, str(PROBE), "--out", str(self.steps_file),
-                *self.script_args]
+        output = ("--out", str(self.steps_file)) if self.script == PROBE else ()
+        return [*argv, *self.extra_flags, str(self.script), *output, *self.script_args]
 
     def start(self, *nodes: str, **overrides) -> None:
         for node in nodes:
@@ -111,17 +113,28 @@ class Job:
             raise AssertionError(f"agent {node} still running after {timeout:g} s:\n"
                                  + self.agent_log(node)[-3000:]) from None
 
-    def node_keys(self) -> set[str]:
-        """Node ids registered in etcd right now (their leases are alive)."""
+    def _client(self):
         from elastic_runner.config import EtcdConfig
         from elastic_runner.etcd.client import EtcdClient
 
-        client = EtcdClient(EtcdConfig((self.endpoint,), timeout_s=2.0, retry_deadline_s=5.0))
+        return EtcdClient(EtcdConfig((self.endpoint,), timeout_s=2.0, retry_deadline_s=5.0))
+
+    def node_keys(self) -> set[str]:
+        """Node ids registered in etcd right now (their leases are alive)."""
+        client = self._client()
         try:
             entries, _ = client.get_prefix(f"/elastic-runner/v1/{self.run_id}/nodes/")
         finally:
             client.close()
         return {kv.key.rsplit("/", 1)[-1] for kv in entries}
+
+    def etcd_get(self, key: str) -> bytes | None:
+        client = self._client()
+        try:
+            kv = client.get(f"/elastic-runner/v1/{self.run_id}/{key}")
+        finally:
+            client.close()
+        return kv.value if kv else None
 
     def stop_all(self) -> None:
         for process in self.agents.values():

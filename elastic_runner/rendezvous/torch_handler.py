@@ -1,0 +1,256 @@
+"""torchrun's `etcd-v3` rendezvous backend, built on EtcdRendezvous.
+
+Why: torch's own etcd backends speak the etcd v2 API (gone from etcd 3.4 on by
+default, removed in 3.6) and its c10d backend keeps the control plane in one
+node's TCPStore. This plugs our v3 protocol (leases for liveness, one watch per
+agent, transactional round closing) into an unmodified torchrun:
+
+    torchrun --rdzv-backend etcd-v3 --rdzv-endpoint HOST:2379[,HOST2:2379] \
+             --rdzv-id JOB --nnodes 1:4 --rdzv-conf lease_ttl=5,settle=2 ...
+
+`--rdzv-conf` keys (all optional; values arrive as strings):
+  lease_ttl      node lease TTL, s (5): a dead node is noticed within this time
+  settle         s (2): once --nnodes' minimum joined, wait this long for more
+  join_timeout   s: rendezvous gives up below the minimum after this long;
+                 default: `timeout`, which torchrun always sets (900 unless
+                 --rdzv-timeout / rdzv-conf timeout says otherwise)
+  store_timeout  s (300, c10d's default): blocking reads of the agents' store
+  etcd_timeout   s (5): deadline of one etcd call
+  node_id        (HOST-PID-RANDOM): must be unique per agent of one run
+  local_addr     address workers use for MASTER_ADDR when this node hosts rank 0;
+                 --local-addr wins; default socket.getfqdn(), like torch's c10d
+  master_port    fixed port for the workers' TCPStore (default: a free port)
+  nproc          this node's worker count, recorded in the job spec (default 0)
+  cacert, cert, key   TLS files for etcd
+
+The job spec every agent of a run must agree on is (min nodes, max nodes,
+nproc, "torchrun"): torch's parameters carry neither the worker count nor the
+script, so agents can only be checked as far as --nnodes (and `nproc` when set).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Callable, Iterator
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError, RendezvousConnectionError, RendezvousError, RendezvousHandler,
+    RendezvousInfo, RendezvousParameters, RendezvousStateError, RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from elastic_runner.config import EtcdConfig, RendezvousConfig
+from elastic_runner.errors import (
+    ConfigError, ElasticRunError, EtcdError, LeaseLost, RendezvousTimeout, RunFinished,
+    ShutdownRequested, WorkerFailure,
+)
+from elastic_runner.etcd.client import EtcdClient, parse_endpoint
+from elastic_runner.rendezvous import protocol as p
+from elastic_runner.rendezvous.handler import EtcdRendezvous
+from elastic_runner.rendezvous.torch_store import EtcdStore
+
+log = logging.getLogger(__name__)
+
+BACKEND = "etcd-v3"
+# torch's parameters do not carry the script, so every torchrun job shares this.
+FINGERPRINT = "torchrun"
+# torchrun counts worker failures against --max-restarts itself and this handler
+# never reports one, so the protocol's own restart limit is never reached.
+_MAX_RESTARTS_UNUSED = 0
+KNOWN_CONFIG = {"lease_ttl", "settle", "join_timeout", "timeout", "store_timeout",
+                "etcd_timeout", "node_id", "local_addr", "master_port", "nproc",
+                "cacert", "cert", "key"}
+
+
+@contextmanager
+def torch_errors() -> Iterator[None]:
+    """Re-raise our errors as the RendezvousError subclasses torch's agent expects."""
+    try:
+        yield
+    except RendezvousTimeout as exc:
+        raise RendezvousTimeoutError(str(exc)) from exc
+    except (RunFinished, WorkerFailure, ShutdownRequested) as exc:
+        raise RendezvousClosedError(str(exc)) from exc
+    except EtcdError as exc:
+        raise RendezvousConnectionError(str(exc)) from exc
+    except LeaseLost as exc:
+        raise RendezvousStateError(str(exc)) from exc
+    except ElasticRunError as exc:  # SpecMismatch and the rest: wrong setup, not transient
+        raise RendezvousError(str(exc)) from exc
+
+
+class EtcdV3RendezvousHandler(RendezvousHandler):
+    """One agent's view of a run; torch's agent calls it from one thread.
+
+    A node is one member of a plan: rank = its node rank, world size = the number
+    of member nodes (torch's agent derives worker ranks from these via the store).
+    Workers bootstrap their own TCPStore on the plan's master address and port,
+    so `use_agent_store` stays False: the etcd store is the agents' alone.
+    """
+
+    def __init__(self, client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
+                 store_timeout: timedelta):
+        self._client = client
+        self._config = config
+        self._store_timeout = store_timeout
+        self._rdzv = EtcdRendezvous(client, config, spec, _MAX_RESTARTS_UNUSED)
+        self._registered = False
+        self._plan: p.Plan | None = None
+        self._change: str | None = None  # why the current plan stopped holding
+        self._shut_down = False
+
+    @property
+    def plan(self) -> p.Plan | None:
+        return self._plan
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    def get_run_id(self) -> str:
+        return self._config.run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        with torch_errors():
+            if not self._registered:
+                self._rdzv.register()
+                self._registered = True
+            plan = self._rdzv.next_plan(self._plan, self._cause())
+        self._plan, self._change = plan, None
+        log.info("%s: %s", self._config.node_id, plan.describe())
+        member = plan.member(self._config.node_id)
+        store = EtcdStore(self._client, f"{self._config.prefix}rounds/{plan.round}/store/",
+                          self._store_timeout)
+        return RendezvousInfo(store, member.node_rank, len(plan.members),
+                              RendezvousStoreInfo(plan.master_addr, plan.master_port))
+
+    def _cause(self) -> str:
+        """What the next round's key records as the reason it opened."""
+        if self._plan is None:
+            return "start"
+        return self._change or "torchrun restarted the workers"
+
+    def num_nodes_waiting(self) -> int:
+        """>0 once the current plan no longer holds: torch then re-rendezvouses.
+
+        The count is 1 whatever the cause (newcomer, lost member, expired lease):
+        torch only compares it with 0. An etcd outage answers 0, because healthy
+        workers should keep training through it; a lost lease shows up here later.
+        """
+        if self._plan is None:
+            return 0
+        try:
+            reason = self._rdzv.change_reason(self._plan)
+        except EtcdError as exc:
+            log.warning("cannot check round %d's membership (%s); keeping the workers",
+                        self._plan.round, exc)
+            return 0
+        if reason is None:
+            return 0
+        if reason != self._change:
+            log.info("round %d no longer holds: %s", self._plan.round, reason)
+        self._change = reason
+        return 1
+
+    def is_closed(self) -> bool:
+        """Read from etcd rather than the mirror: it may be asked before joining."""
+        with torch_errors():
+            kv = self._client.get(p.round_key(self._config.prefix))
+        return kv is not None and p.RoundState.from_json(kv.value).state in (p.FINISHED, p.FAILED)
+
+    def set_closed(self) -> None:
+        """Mark the round finished, so late agents stop instead of re-forming it.
+
+        Only a round this node is a member of can be finished (the protocol's
+        rule); before the first rendezvous there is nothing to close.
+        """
+        if self._plan is None or not self._registered:
+            log.info("set_closed before any rendezvous: nothing to close")
+            return
+        with torch_errors():
+            self._rdzv.finish(self._plan)
+
+    def shutdown(self) -> bool:
+        """Leave now: revoking the lease lets the others re-form without the TTL wait.
+
+        Idempotent: the launcher's `finally` may follow an explicit shutdown.
+        """
+        if self._shut_down:
+            return True
+        self._shut_down = True
+        self._rdzv.shutdown.set()
+        try:
+            if self._registered:
+                self._rdzv.leave()
+            return True
+        except EtcdError as exc:
+            log.warning("leaving run %r failed (%s); peers will see the lease expire",
+                        self._config.run_id, exc)
+            return False
+        finally:
+            self._client.close()
+
+
+# ---- the creator torchrun calls ---------------------------------------------------
+def _number(params: RendezvousParameters, key: str, default: float | None) -> float | None:
+    value = params.get(key, default)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--rdzv-conf {key}={value!r} is not a number") from exc
+
+
+def etcd_config(params: RendezvousParameters) -> EtcdConfig:
+    endpoints = tuple(e.strip() for e in (params.endpoint or "").split(",") if e.strip())
+    if not endpoints:
+        raise ValueError("--rdzv-endpoint is empty: give the etcd endpoint(s) as "
+                         "HOST:PORT[,HOST:PORT] or http(s)://HOST:PORT")
+    try:
+        for endpoint in endpoints:
+            parse_endpoint(endpoint)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from exc
+    return EtcdConfig(endpoints=endpoints, timeout_s=_number(params, "etcd_timeout", 5.0),
+                      cacert=params.get("cacert"), cert=params.get("cert"),
+                      key=params.get("key"))
+
+
+def rendezvous_config(params: RendezvousParameters) -> RendezvousConfig:
+    join_timeout = _number(params, "join_timeout", _number(params, "timeout", 600.0))
+    port = _number(params, "master_port", None)
+    node_id = params.get("node_id") or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    if "/" in node_id:
+        raise ValueError(f"--rdzv-conf node_id={node_id!r} must not contain '/'")
+    return RendezvousConfig(
+        run_id=params.run_id, node_id=node_id,
+        min_nodes=params.min_nodes, max_nodes=params.max_nodes,
+        lease_ttl_s=max(int(_number(params, "lease_ttl", 5)), 1),
+        join_timeout_s=join_timeout, settle_s=_number(params, "settle", 2.0),
+        node_addr=params.local_addr or params.get("local_addr") or socket.getfqdn(),
+        master_port=int(port) if port else None,
+    )
+
+
+def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
+    """Build a handler from torchrun's parameters; bad values raise ValueError early."""
+    unknown = sorted(set(params.config) - KNOWN_CONFIG)
+    if unknown:
+        log.warning("ignoring unknown --rdzv-conf keys for %s: %s", BACKEND, ", ".join(unknown))
+    rdzv = rendezvous_config(params)
+    spec = p.JobSpec(params.min_nodes, params.max_nodes, int(_number(params, "nproc", 0)),
+                     FINGERPRINT)
+    store_timeout = timedelta(seconds=_number(params, "store_timeout", 300.0))
+    with torch_errors():
+        client = EtcdClient(etcd_config(params))
+    return EtcdV3RendezvousHandler(client, rdzv, spec, store_timeout)
+
+
+def plugin() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The `torchrun.handlers` entry point: torch calls it and registers the result."""
+    return create_handler

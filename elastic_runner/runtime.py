@@ -1,0 +1,196 @@
+"""The worker side: what a training script calls under elastic-run.
+
+`init()` is the worker's entry point, so it is the one place on this side that
+reads the environment the agent set (torchrun's variables plus ELASTIC_RUN_*);
+everything else receives the resulting `Context`.
+
+Spot notice: when any agent of the job gets a notice, every agent creates the
+file named by ELASTIC_RUN_NOTICE_PATH (a file, not a signal: a script that never
+called init() must not be killed by an unexpected SIGUSR1). The flag is agreed across ranks by a one-integer all-reduce in
+`Checkpointer.due()`, so every rank stops at the same step; rank 0 writes the
+checkpoint of that step and every worker exits with EXIT_FOR_RESIZE, which the
+agents read as "membership is changing", not as a failure. Zero steps are lost.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from elastic_runner import checkpoint as _checkpoint
+
+log = logging.getLogger("elastic_runner.runtime")
+
+EXIT_FOR_RESIZE = 75  # EX_TEMPFAIL: stopped on purpose for a resize
+
+
+@dataclass(frozen=True)
+class Context:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    restart_count: int
+    round: int
+    run_id: str
+    backend: str
+    device: str
+    etcd_endpoints: tuple[str, ...] = ()
+    etcd_prefix: str = ""
+    etcd_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    notice_path: str = ""
+
+    def notice_given(self) -> bool:
+        return bool(self.notice_path) and os.path.exists(self.notice_path)
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        finish()
+
+
+_active: list[Context] = []  # the process's one context, like torch's default group
+
+
+def context_from_env(environ: Mapping[str, str], backend: str, device: str) -> Context:
+    endpoints = tuple(e for e in environ.get("ELASTIC_RUN_ETCD_ENDPOINTS", "").split(",") if e)
+    options = {k: environ[v] for k, v in (("cacert", "ELASTIC_RUN_ETCD_CACERT"),
+                                          ("cert", "ELASTIC_RUN_ETCD_CERT"),
+                                          ("key", "ELASTIC_RUN_ETCD_KEY"),
+                                          ("user", "ELASTIC_RUN_ETCD_USER"),
+                                          ("password", "ELASTIC_RUN_ETCD_PASSWORD"))
+               if environ.get(v)}
+    return Context(
+        rank=int(environ.get("RANK", 0)), local_rank=int(environ.get("LOCAL_RANK", 0)),
+        world_size=int(environ.get("WORLD_SIZE", 1)),
+        local_world_size=int(environ.get("LOCAL_WORLD_SIZE", 1)),
+        restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        round=int(environ.get("ELASTIC_RUN_ROUND", 0)),
+        run_id=environ.get("TORCHELASTIC_RUN_ID", "local"), backend=backend, device=device,
+        etcd_endpoints=endpoints, etcd_prefix=environ.get("ELASTIC_RUN_ETCD_PREFIX", ""),
+        etcd_options=options,
+        notice_path=environ.get("ELASTIC_RUN_NOTICE_PATH", ""))
+
+
+def init(backend: str | None = None, timeout_s: float = 60.0) -> Context:
+    """Join the process group the launcher prepared; bind this worker's GPU.
+
+    The agent shows each worker only its own GPU (CUDA_VISIBLE_DEVICES), so the
+    device is cuda:0 whenever exactly one is visible, else cuda:LOCAL_RANK.
+    """
+    import torch
+    import torch.distributed as dist
+
+    environ = dict(os.environ)
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    device = "cpu"
+    if cuda:
+        index = 0 if torch.cuda.device_count() == 1 else int(environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        device = f"cuda:{index}"
+    context = context_from_env(environ, backend, device)
+    if context.world_size > 1 or "MASTER_ADDR" in environ:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _active[:] = [context]
+    log.info("rank %d/%d (local %d) on %s, round %d, restarts %d", context.rank,
+             context.world_size, context.local_rank, device, context.round, context.restart_count)
+    return context
+
+
+def finish() -> None:
+    """Leave the process group cleanly so peers don't see a crash."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _active.clear()
+
+
+def current() -> Context | None:
+    return _active[0] if _active else None
+
+
+class EtcdLatestStore:
+    """The newest verified checkpoint recorded in etcd, fenced by the round.
+
+    publish() succeeds only while the next round has no plan yet: a node whose
+    round is over cannot overwrite the record of the job that re-formed without
+    it, yet workers draining for a resize (next round open, not closed) can
+    still record the checkpoint the next round resumes from.
+    """
+
+    def __init__(self, context: Context):
+        from elastic_runner.config import EtcdConfig
+        from elastic_runner.etcd.client import EtcdClient
+
+        self._client = EtcdClient(EtcdConfig(context.etcd_endpoints, 5.0, 10.0,
+                                             **context.etcd_options))
+        self._key = f"{context.etcd_prefix}checkpoint/latest"
+        self._next_plan_key = f"{context.etcd_prefix}rounds/{context.round + 1}/plan"
+
+    def read(self) -> dict | None:
+        kv = self._client.get(self._key)
+        return json.loads(kv.value) if kv else None
+
+    def publish(self, record: dict) -> bool:
+        from elastic_runner.etcd.client import Put, key_missing, mod_revision_is
+
+        current = self._client.get(self._key)
+        if current is not None and json.loads(current.value).get("step", -1) > record["step"]:
+            return False
+        guard = (mod_revision_is(self._key, current.mod_revision) if current
+                 else key_missing(self._key))
+        return self._client.txn([key_missing(self._next_plan_key), guard],
+                                [Put(self._key, json.dumps(record).encode())]).succeeded
+
+
+class Checkpointer(_checkpoint.Checkpointer):
+    """A Checkpointer that knows the job: etcd record, spot notices, resize exits."""
+
+    def __init__(self, url_or_path, keep: int | None = 3, every: int | None = None,
+                 async_save: bool = False, rank: int | None = None, latest_store=None, **kwargs):
+        context = current()
+        if latest_store is None and context is not None and context.etcd_endpoints:
+            latest_store = EtcdLatestStore(context)
+        super().__init__(url_or_path, keep=keep, every=every, async_save=async_save, rank=rank,
+                         latest_store=latest_store, **kwargs)
+        self._context = context
+        self._stopping = False
+        if context is not None and context.notice_path:
+            # Tells the agent these workers act on a notice (checkpoint, then exit).
+            open(context.notice_path + ".ready", "a").close()
+
+    def due(self, step: int) -> bool:
+        if self._notice_agreed():
+            self._stopping = True
+            self.request_save()
+        return super().due(step)
+
+    def save(self, step: int, state_dict: Any) -> str | None:
+        where = super().save(step, state_dict)
+        if self._stopping:
+            self.wait()
+            log.warning("spot notice: checkpoint of step %d written; stopping for the resize", step)
+            finish()
+            raise SystemExit(EXIT_FOR_RESIZE)
+        return where
+
+    def _notice_agreed(self) -> bool:
+        """Every rank learns at the same step whether any rank got a notice."""
+        if self._context is None:
+            return False
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if self._context.notice_given() else 0], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if self._context.backend == "nccl":
+                flag = flag.to(self._context.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

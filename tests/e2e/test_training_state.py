@@ -1,0 +1,94 @@
+"""Issue 4's scenarios: exactly-once data and zero lost steps across resizes."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pytest
+
+from tests.e2e.harness import MLP
+
+pytestmark = pytest.mark.e2e
+
+SAMPLES, GLOBAL_BATCH = 4800, 16  # 300 steps in the epoch
+
+
+def read_trace(path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
+
+
+@pytest.fixture
+def mlp_job(job, tmp_path):
+    job.script = MLP
+    job.nproc = 1
+    job.trace = tmp_path / "trace.jsonl"
+    job.script_args = ("--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH),
+                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--every", "25",
+                       "--step-time", "0.05", "--trace", str(job.trace))
+    return job
+
+
+def wait_world(job, world: int, after_step: int = 0, timeout: float = 60) -> int:
+    """Wait for a step at this world size past `after_step`; return that step."""
+    def seen():
+        steps = [r["step"] for r in read_trace(job.trace)
+                 if r["world"] == world and r["step"] > after_step]
+        return max(steps) if len(steps) >= 3 * world else None
+    return job.wait_for(seen, timeout, f"world {world} after step {after_step}")
+
+
+def test_resizes_by_join_and_notice_lose_nothing(mlp_job):
+    job = mlp_job
+    job.start("a", "b")
+    step = wait_world(job, 2)
+    job.start("c")                       # 2 -> 3: survivors checkpoint, then re-form
+    step = wait_world(job, 3, step)
+    job.terminate("b")                   # 3 -> 1: two spot notices
+    job.terminate("c")
+    step = wait_world(job, 1, step)
+    job.start("d")                       # 1 -> 2
+    wait_world(job, 2, step)
+    assert job.wait_exit("a", timeout=120) == 0 and job.wait_exit("d", timeout=30) == 0
+    assert job.wait_exit("b", timeout=10) == 0 and job.wait_exit("c", timeout=10) == 0
+
+    rows = read_trace(job.trace)
+    worlds = []
+    for row in sorted(rows, key=lambda r: r["step"]):
+        if not worlds or worlds[-1] != row["world"]:
+            worlds.append(row["world"])
+    assert worlds == [2, 3, 1, 2]
+    # Every index of the epoch exactly once, across all ranks and rounds.
+    seen = Counter(i for row in rows for i in row["indices"])
+    assert set(seen) == set(range(SAMPLES)) and set(seen.values()) == {1}
+    # No step was ever re-done: each global step ran in exactly one round.
+    rounds_per_step = Counter((row["step"], row["round"]) for row in rows)
+    assert len({step for step, _ in rounds_per_step}) == len(rounds_per_step) == SAMPLES // GLOBAL_BATCH
+
+
+def test_spot_notice_checkpoints_the_last_step_and_survivors_resume_after_it(mlp_job, tmp_path):
+    job = mlp_job
+    job.start("a", "b", "c")
+    step = wait_world(job, 3)
+    noticed_at = time.time()
+    job.terminate("c")
+    wait_world(job, 2, step)
+    rows = read_trace(job.trace)
+    before = max(r["step"] for r in rows if r["world"] == 3)
+    after = min(r["step"] for r in rows if r["world"] == 2)
+    record = json.loads(job.etcd_get("checkpoint/latest"))
+    assert record["step"] == before          # emergency checkpoint of the last trained step
+    assert after == before + 1               # survivors' first step is the next one
+    print(f"notice -> first step at world 2: "
+          f"{min(r['t'] for r in rows if r['world'] == 2) - noticed_at:.2f} s"
+          if "t" in rows[0] else "")
+    assert job.wait_exit("c", timeout=30) == 0

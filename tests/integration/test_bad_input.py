@@ -1,0 +1,181 @@
+"""Bad input through the real command: the right exit code, one clear message, no traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from elastic_runner.etcd.server import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_RUN_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def elastic_run(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "elastic_runner", *argv]
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """Stop a process started with start_new_session=True, by its own group id."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
+
+
+@dataclass
+class Context:
+    tmp_path: Path
+    stack: contextlib.ExitStack
+    request: pytest.FixtureRequest
+    values: dict = field(default_factory=dict)
+
+    @property
+    def script(self) -> str:
+        path = self.tmp_path / "train.py"
+        if not path.exists():
+            path.write_text("print('hello from train.py')\n")
+        return str(path)
+
+
+# ---- infrastructure per row ------------------------------------------------------
+def no_setup(ctx: Context) -> None:
+    pass
+
+
+def dead_port(ctx: Context) -> None:
+    ctx.values["endpoint"] = f"http://127.0.0.1:{free_port()}"
+
+
+def http_server(ctx: Context) -> None:
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+        cwd=ctx.tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    ctx.stack.callback(stop_group, server)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(endpoint + "/", timeout=1):
+                break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"http.server on {endpoint} did not come up")
+            time.sleep(0.1)
+    ctx.values["endpoint"] = endpoint
+
+
+def running_agent(ctx: Context) -> None:
+    """etcd plus agent 1 of run 'same' (nproc 1) with its node key registered."""
+    from elastic_runner.config import EtcdConfig
+    from elastic_runner.etcd.client import EtcdClient
+
+    endpoint = ctx.request.getfixturevalue("etcd").endpoint
+    sleeper = ctx.tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(20)\n")
+    log = open(ctx.tmp_path / "agent1.log", "wb")
+    ctx.stack.callback(log.close)
+    agent = subprocess.Popen(
+        elastic_run("--rdzv-endpoints", endpoint, "--run-id", "same", "--nproc-per-node", "1",
+                    "--min-nodes", "1", "--max-nodes", "2", "--node-id", "agent1",
+                    str(sleeper)),
+        cwd=ctx.tmp_path, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    ctx.stack.callback(stop_group, agent)
+    client = EtcdClient(EtcdConfig((endpoint,), 2.0, 5.0))
+    ctx.stack.callback(client.close)
+    deadline = time.monotonic() + 45
+    while not client.get_prefix("/elastic-runner/v1/same/nodes/")[0]:
+        if agent.poll() is not None or time.monotonic() > deadline:
+            pytest.fail("agent 1 did not register; its output:\n"
+                        + (ctx.tmp_path / "agent1.log").read_text(errors="replace"))
+        time.sleep(0.1)
+    ctx.values.update(endpoint=endpoint, sleeper=str(sleeper))
+
+
+# ---- the table ------------------------------------------------------------------
+CASES = [
+    pytest.param(no_setup, lambda c: ["--min-nodes", "3", "--max-nodes", "2", c.script],
+                 2, ["--min-nodes 3 is greater than --max-nodes 2"], id="min-gt-max"),
+    pytest.param(no_setup, lambda c: ["--nproc-per-node", "0", c.script],
+                 2, ["--nproc-per-node 0"], id="nproc-zero"),
+    pytest.param(no_setup, lambda c: ["--nproc-per-node", "-1", c.script],
+                 2, ["--nproc-per-node -1"], id="nproc-negative"),
+    pytest.param(no_setup, lambda c: [str(c.tmp_path / "missing.py")],
+                 2, ["script not found"], id="missing-script"),
+    pytest.param(no_setup, lambda c: ["-m", "no_such_module_xyz"],
+                 2, ["not importable", "no_such_module_xyz"], id="missing-module"),
+    pytest.param(no_setup, lambda c: ["--rdzv-endpoints", "http://:abc", c.script],
+                 2, ["malformed etcd endpoint"], id="malformed-endpoint"),
+    pytest.param(dead_port, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
+                                       "--etcd-timeout", "1", c.script],
+                 4, ["{endpoint}"], id="etcd-unreachable"),
+    pytest.param(http_server, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
+                                         "--etcd-timeout", "1", c.script],
+                 4, ["{endpoint}"], id="not-etcd"),
+    pytest.param(running_agent, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
+                                           "--run-id", "same", "--nproc-per-node", "2",
+                                           "--min-nodes", "1", "--max-nodes", "2",
+                                           "--node-id", "agent2", c.values["sleeper"]],
+                 5, ["different job", "nproc"], id="spec-mismatch"),
+]
+
+# The unreachable-etcd case must give up well within this bound, not hang.
+TIMEOUTS = {"etcd-unreachable": 30}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("setup, make_argv, exit_code, phrases", CASES)
+def test_bad_input(request, tmp_path, setup, make_argv, exit_code, phrases):
+    case_id = request.node.callspec.id
+    with contextlib.ExitStack() as stack:
+        ctx = Context(tmp_path, stack, request)
+        setup(ctx)
+        argv = make_argv(ctx)
+        result = subprocess.run(
+            elastic_run(*argv), cwd=tmp_path, env=clean_env(), stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=TIMEOUTS.get(case_id, 60),
+        )
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        report = f"argv={argv}\nexit={result.returncode}\nstderr:\n{result.stderr}"
+        assert result.returncode == exit_code, report
+        assert "Traceback" not in result.stderr, report
+        assert lines, report
+        last = lines[-1]
+        assert last.startswith("elastic-run: error: "), report
+        for phrase in phrases:
+            assert phrase.format(**ctx.values) in last, report
+
+
+HELP_FLAGS = ["--min-nodes", "--max-nodes", "--nnodes", "--nproc-per-node", "--rdzv-endpoints",
+              "--run-id", "--node-id", "--max-restarts", "--lease-ttl", "--join-timeout",
+              "--settle", "--master-addr", "--master-port", "--log-dir", "--standalone", "-m"]
+
+
+def test_help_lists_flags(tmp_path):
+    result = subprocess.run(elastic_run("--help"), cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    for flag in HELP_FLAGS:
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", result.stdout), flag
