@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from elastic_runner.config import SCHEMA_PREFIX, EtcdConfig
+from elastic_runner.etcd.client import EtcdClient
+
 pytestmark = pytest.mark.e2e
 
 DEADLINE_S = 90
@@ -29,22 +32,24 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
 env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                                   "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")}
+steps = int(sys.argv[2]) if len(sys.argv) > 2 else 1_000_000
 with open(sys.argv[1], "a", buffering=1) as out:
-    for step in range(1_000_000):
+    for step in range(steps):
         total = torch.ones(1)
         dist.all_reduce(total)
         out.write(json.dumps({"step": step, "t": time.time(), "pid": os.getpid(),
                               "ppid": os.getppid(), "reduced": int(total.item()), **env}) + "\\n")
         time.sleep(0.05)
+dist.destroy_process_group()
 '''
 
 
-def torchrun(endpoint: str, script: Path, steps: Path) -> list[str]:
+def torchrun(endpoint: str, script: Path, steps: Path, *script_args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run",
             "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", "torchrun-e2e",
             "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3",
             "--monitor-interval", "0.2", "--rdzv-conf", "lease_ttl=2,settle=1",
-            str(script), str(steps)]
+            str(script), str(steps), *script_args]
 
 
 def read_steps(path: Path) -> list[dict]:
@@ -75,6 +80,37 @@ def wait_world(path: Path, size: int, after: float, logs: list[Path],
     raise AssertionError(f"no world of size {size} within {DEADLINE_S} s; agent logs:\n{tails}")
 
 
+def start_agents(endpoint: str, script: Path, steps: Path, logs: list[Path],
+                 *script_args: str) -> list[subprocess.Popen]:
+    agents = []
+    for log in logs:
+        with open(log, "wb") as out:
+            agents.append(subprocess.Popen(
+                torchrun(endpoint, script, steps, *script_args), stdout=out,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+    return agents
+
+
+def stop(agents: list[subprocess.Popen], steps: Path, script: Path) -> None:
+    for agent in agents:
+        kill_session(agent.pid)
+        agent.wait(timeout=10)
+    for pid in {r["pid"] for r in read_steps(steps)}:
+        if runs(pid, script):
+            kill_session(pid)  # workers live in their own sessions
+
+
+def barrier_count(endpoint: str) -> bytes | None:
+    """How many agents checked in at torch's exit barrier, read from etcd itself."""
+    client = EtcdClient(EtcdConfig((endpoint,), timeout_s=2.0))
+    try:
+        kv = client.get(f"{SCHEMA_PREFIX}/torchrun-e2e/rounds/0/store/"
+                        "torchelastic/agent/terminal_state/num_members")
+    finally:
+        client.close()
+    return kv.value if kv else None
+
+
 def runs(pid: int, script: Path) -> bool:
     """Still our worker? A logged PID may since have been reused."""
     try:
@@ -100,13 +136,8 @@ def test_torchrun_survives_the_death_of_the_rank0_agent(etcd, tmp_path, workers_
     script.write_text(WORKER)
     endpoint = etcd.endpoint.removeprefix("http://")  # torchrun users write HOST:PORT
     logs = [tmp_path / f"agent-{i}.log" for i in range(2)]
-    agents: list[subprocess.Popen] = []
+    agents = start_agents(endpoint, script, steps, logs)
     try:
-        for log in logs:
-            with open(log, "wb") as out:
-                agents.append(subprocess.Popen(
-                    torchrun(endpoint, script, steps), stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True))
         rows = wait_world(steps, 2, after=0, logs=logs)
         assert {int(r["RANK"]) for r in rows} == {0, 1}
         assert {r["reduced"] for r in rows} == {2}  # each all-reduce saw both workers
@@ -130,9 +161,23 @@ def test_torchrun_survives_the_death_of_the_rank0_agent(etcd, tmp_path, workers_
         restarts = {r["TORCHELASTIC_RESTART_COUNT"] for r in rows}
         assert restarts == ({"1"} if workers_die else {"0"})
     finally:
-        for agent in agents:
-            kill_session(agent.pid)
-            agent.wait(timeout=10)
-        for pid in {r["pid"] for r in read_steps(steps)}:
-            if runs(pid, script):
-                kill_session(pid)  # workers live in their own sessions
+        stop(agents, steps, script)
+
+
+def test_torchrun_job_completes_through_the_exit_barrier(etcd, tmp_path):
+    """Both agents return 0: torch's exit barrier (add + wait) ran on the etcd store."""
+    script, steps = tmp_path / "worker.py", tmp_path / "steps.jsonl"
+    script.write_text(WORKER)
+    logs = [tmp_path / f"agent-{i}.log" for i in range(2)]
+    agents = start_agents(etcd.endpoint, script, steps, logs, "20")
+    try:
+        codes = [agent.wait(timeout=DEADLINE_S) for agent in agents]
+        tails = "\n".join(log.read_text(errors="replace")[-3000:] for log in logs)
+        assert codes == [0, 0], tails
+        rows = read_steps(steps)
+        assert {(int(r["RANK"]), r["WORLD_SIZE"]) for r in rows} == {(0, "2"), (1, "2")}
+        assert len(rows) == 40
+        assert "Error waiting on exit barrier" not in tails  # torch only logs that
+        assert barrier_count(etcd.endpoint) == b"2"
+    finally:
+        stop(agents, steps, script)

@@ -10,12 +10,12 @@ from datetime import timedelta
 import pytest
 from torch.distributed import DistStoreError
 from torch.distributed.elastic.rendezvous import (
-    RendezvousParameters, RendezvousTimeoutError, rendezvous_handler_registry,
+    RendezvousClosedError, RendezvousParameters, RendezvousTimeoutError, rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_runner.config import EtcdConfig
-from elastic_runner.errors import RendezvousTimeout
+from elastic_runner.errors import RendezvousTimeout, RunFinished
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.rendezvous.torch_handler import (
     EtcdV3RendezvousHandler, create_handler, rendezvous_config,
@@ -151,6 +151,21 @@ def test_wait_for_several_keys_returns_when_the_last_arrives(store):
     assert not done.wait(0.3)
     store.set("q", "2")
     assert done.wait(5)
+
+
+def test_set_closed_finishes_the_run_for_late_agents(etcd):
+    first = create_handler(params(etcd.endpoint, "first", max_nodes=1))
+    late = create_handler(params(etcd.endpoint, "late", max_nodes=1))
+    try:
+        assert first.next_rendezvous().world_size == 1
+        first.set_closed()
+        wait_until(late.is_closed, "the finished round to be visible")
+        with pytest.raises(RendezvousClosedError) as caught:
+            late.next_rendezvous()
+        assert isinstance(caught.value.__cause__, RunFinished)
+    finally:
+        first.shutdown()
+        late.shutdown()
 
 
 def test_too_few_nodes_is_torchs_timeout_error(etcd):
