@@ -28,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-run",
         description="Run a PyTorch training script on every node of an elastic job. "
-                    "Start the same command on each node; ranks come from an etcd v3 rendezvous.",
+                    "Start the same command on each node; ranks come from an etcd v3 rendezvous. "
+                    "Also: `elastic-run notice --rdzv-endpoints URLS --run-id ID --node-id NODE` "
+                    "gives a running node a spot notice.",
         epilog="Exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
                + f". Every --flag can also be set as {ENV_PREFIX}FLAG (e.g. {ENV_PREFIX}MIN_NODES).",
     )
@@ -280,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     environ = dict(os.environ)
     verbose = "-v" in argv or "--verbose" in argv
     try:
+        if argv[:1] == ["notice"]:
+            from elastic_runner.notice import main as notice_main
+            return notice_main(argv[1:])
         args = parse_args(argv, environ)
         config = build_config(args, environ, count_gpus() if args.nproc_per_node in
                               ("auto", "gpu") else 0)

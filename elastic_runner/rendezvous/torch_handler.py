@@ -196,14 +196,20 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
 
 # ---- the creator torchrun calls ---------------------------------------------------
-def _number(params: RendezvousParameters, key: str, default: float | None) -> float | None:
-    value = params.get(key, default)
+def _number(params: RendezvousParameters, key: str, default: float) -> float:
+    """--rdzv-conf values arrive as strings; programmatic callers may pass numbers."""
+    value = params.get(key)
     if value is None or value == "":
         return default
     try:
         return float(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"--rdzv-conf {key}={value!r} is not a number") from exc
+
+
+def _default_node_id() -> str:
+    """Unique per agent process, even for several agents on one host."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 def etcd_config(params: RendezvousParameters) -> EtcdConfig:
@@ -223,8 +229,8 @@ def etcd_config(params: RendezvousParameters) -> EtcdConfig:
 
 def rendezvous_config(params: RendezvousParameters) -> RendezvousConfig:
     join_timeout = _number(params, "join_timeout", _number(params, "timeout", 600.0))
-    port = _number(params, "master_port", None)
-    node_id = params.get("node_id") or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    port = int(_number(params, "master_port", 0))
+    node_id = str(params.get("node_id") or _default_node_id())
     if "/" in node_id:
         raise ValueError(f"--rdzv-conf node_id={node_id!r} must not contain '/'")
     return RendezvousConfig(
@@ -233,7 +239,7 @@ def rendezvous_config(params: RendezvousParameters) -> RendezvousConfig:
         lease_ttl_s=max(int(_number(params, "lease_ttl", 5)), 1),
         join_timeout_s=join_timeout, settle_s=_number(params, "settle", 2.0),
         node_addr=params.local_addr or params.get("local_addr") or socket.getfqdn(),
-        master_port=int(port) if port else None,
+        master_port=port or None,
     )
 
 

@@ -92,3 +92,64 @@ def test_spot_notice_checkpoints_the_last_step_and_survivors_resume_after_it(mlp
           f"{min(r['t'] for r in rows if r['world'] == 2) - noticed_at:.2f} s"
           if "t" in rows[0] else "")
     assert job.wait_exit("c", timeout=30) == 0
+
+
+def test_notice_from_another_shell_and_from_a_file(mlp_job, tmp_path):
+    import subprocess
+    import sys
+
+    job = mlp_job
+    notice_file = tmp_path / "reclaim-b"
+    job.start("a", "c")
+    job.start("b", notice_file=notice_file)
+    step = wait_world(job, 3)
+    sent = subprocess.run([sys.executable, "-m", "elastic_runner", "notice", "--rdzv-endpoints",
+                           job.endpoint, "--run-id", job.run_id, "--node-id", "c"],
+                          capture_output=True, text=True, timeout=60)
+    assert sent.returncode == 0 and "notice sent to node c" in sent.stdout
+    step = wait_world(job, 2, step)
+    assert job.wait_exit("c", timeout=30) == 0
+    notice_file.touch()
+    wait_world(job, 1, step)
+    assert job.wait_exit("b", timeout=30) == 0
+    rows = read_trace(job.trace)
+    rounds_per_step = Counter((row["step"], row["round"]) for row in rows)
+    assert len({s for s, _ in rounds_per_step}) == len(rounds_per_step)  # nothing re-done
+
+
+def test_trajectory_after_two_resizes_matches_an_uninterrupted_run(job, tmp_path):
+    """constant-global keeps the optimisation: same weights at step 60 as one worker.
+
+    Not bit-exact: the all-reduced gradient sums per-rank partial sums, and float
+    addition in another grouping rounds differently (~1e-7 relative per step).
+    """
+    import torch
+
+    from elastic_runner.checkpoint import Checkpointer
+
+    def args_for(ckpt_dir, trace):
+        return ("--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--steps", "60",
+                "--every", "60", "--step-time", "0.05", "--checkpoint-dir", str(ckpt_dir),
+                "--trace", str(trace))
+
+    job.script, job.nproc = MLP, 1
+    job.trace = tmp_path / "single.jsonl"
+    job.script_args = args_for(tmp_path / "single", job.trace)
+    job.start("solo", run_id="single")
+    assert job.wait_exit("solo", timeout=120) == 0
+
+    job.trace = tmp_path / "elastic.jsonl"
+    job.script_args = args_for(tmp_path / "elastic", job.trace)
+    job.start("a", "b", run_id="elastic")
+    step = wait_world(job, 2)
+    job.start("c", run_id="elastic")
+    wait_world(job, 3, step)
+    job.terminate("b")
+    assert job.wait_exit("a", timeout=120) == 0
+    assert {r["world"] for r in read_trace(job.trace)} >= {2, 3}
+
+    single = Checkpointer(tmp_path / "single", rank=1).load_latest()  # rank != 0: read only
+    elastic = Checkpointer(tmp_path / "elastic", rank=1).load_latest()
+    assert single["sampler"]["step"] == elastic["sampler"]["step"] == 60
+    for name, tensor in single["model"].items():
+        torch.testing.assert_close(elastic["model"][name], tensor, rtol=1e-4, atol=1e-5)

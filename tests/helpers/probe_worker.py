@@ -25,7 +25,7 @@ def main() -> None:
                         help="inject the failure only while TORCHELASTIC_RESTART_COUNT is 0")
     args = parser.parse_args()
 
-    env = {k: os.environ[k] for k in (
+    env = {k: os.environ.get(k, "") for k in (
         "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
         "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",

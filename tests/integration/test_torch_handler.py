@@ -10,7 +10,8 @@ from datetime import timedelta
 import pytest
 from torch.distributed import DistStoreError
 from torch.distributed.elastic.rendezvous import (
-    RendezvousClosedError, RendezvousParameters, RendezvousTimeoutError, rendezvous_handler_registry,
+    RendezvousClosedError, RendezvousParameters, RendezvousTimeoutError,
+    rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 

@@ -1,0 +1,38 @@
+"""The environment a worker gets, including the GPU it would see on a 4-GPU node."""
+
+from elastic_runner.config import WorkerConfig
+from elastic_runner.rendezvous.protocol import Member, Plan, assign_ranks
+from elastic_runner.workers import worker_env
+
+PLAN = Plan(round=3, members=(Member("a", 0, 4, "10.0.0.1", 0), Member("b", 1, 4, "10.0.0.2", 4)),
+            master_addr="10.0.0.1", master_port=29500, restart_count=2)
+
+
+def envs(node: str, gpu_count: int, base: dict | None = None) -> list[dict]:
+    config = WorkerConfig(argv=("python", "train.py"), nproc=4, fingerprint="f",
+                          gpu_count=gpu_count)
+    return [worker_env(base or {}, PLAN, ranks, "job7", 5, config)
+            for ranks in assign_ranks(PLAN, node)]
+
+
+def test_torchrun_environment_on_the_second_node():
+    got = envs("b", gpu_count=0)
+    assert [e["RANK"] for e in got] == ["4", "5", "6", "7"]
+    assert [e["LOCAL_RANK"] for e in got] == ["0", "1", "2", "3"]
+    first = got[0]
+    assert (first["WORLD_SIZE"], first["LOCAL_WORLD_SIZE"], first["GROUP_RANK"],
+            first["GROUP_WORLD_SIZE"], first["ROLE_RANK"], first["ROLE_WORLD_SIZE"]) == \
+        ("8", "4", "1", "2", "4", "8")
+    assert (first["MASTER_ADDR"], first["MASTER_PORT"]) == ("10.0.0.1", "29500")
+    assert (first["TORCHELASTIC_RESTART_COUNT"], first["TORCHELASTIC_MAX_RESTARTS"],
+            first["TORCHELASTIC_RUN_ID"], first["ELASTIC_RUN_ROUND"]) == ("2", "5", "job7", "3")
+    assert "CUDA_VISIBLE_DEVICES" not in first
+
+
+def test_each_worker_sees_only_its_own_gpu():
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs("a", gpu_count=4)] == ["0", "1", "2", "3"]
+
+
+def test_a_restricted_device_list_is_respected():
+    got = envs("a", gpu_count=4, base={"CUDA_VISIBLE_DEVICES": "2,3,5,7"})
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in got] == ["2", "3", "5", "7"]
