@@ -16,9 +16,13 @@ from elastic_runner.etcd.client import EtcdClient, KeyValue, WatchEvent
 
 
 class PrefixMirror:
-    def __init__(self, client: EtcdClient, prefix: str):
+    def __init__(self, client: EtcdClient, prefix: str,
+                 ignore: Callable[[str], bool] = lambda key: False):
         self._client = client
         self.prefix = prefix
+        # Keys under the prefix that decide nothing here (bulk data written by
+        # others) are not copied and do not wake waiters.
+        self._ignore = ignore
         self._entries: dict[str, KeyValue] = {}
         self._revision = 0
         # Bumped on every change or wake(): a waiter that read generation g before
@@ -30,7 +34,7 @@ class PrefixMirror:
     def start(self) -> None:
         entries, revision = self._client.get_prefix(self.prefix)
         with self._changed:
-            self._entries = {kv.key: kv for kv in entries}
+            self._entries = {kv.key: kv for kv in entries if not self._ignore(kv.key)}
             self._revision = revision
         self._watch = self._client.watch_prefix(self.prefix, revision + 1, self._apply)
 
@@ -39,6 +43,9 @@ class PrefixMirror:
             self._watch.cancel()
 
     def _apply(self, events: list[WatchEvent]) -> None:
+        events = [e for e in events if not self._ignore(e.key)]
+        if not events:
+            return
         with self._changed:
             for event in events:
                 if event.mod_revision <= self._revision:

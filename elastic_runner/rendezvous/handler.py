@@ -43,7 +43,7 @@ class EtcdRendezvous:
         self._max_restarts = max_restarts
         self.prefix = config.prefix
         self.node_id = config.node_id
-        self.mirror = PrefixMirror(client, self.prefix)
+        self.mirror = PrefixMirror(client, self.prefix, ignore=p.is_store_key)
         self.lease: KeptLease | None = None
         self.shutdown = threading.Event()
         self._min_met_at: dict[int, float] = {}

@@ -23,7 +23,7 @@ Choices written down here:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 OPEN, CLOSED, FINISHED, FAILED = "open", "closed", "finished", "failed"
 
@@ -71,6 +71,15 @@ def notice_key(prefix: str, node_id: str) -> str:
 
 def checkpoint_key(prefix: str) -> str:
     return f"{prefix}checkpoint/latest"
+
+
+def store_prefix(prefix: str, number: int) -> str:
+    """Where torch's control-plane store of a round lives (torchrun plug-in)."""
+    return f"{prefix}rounds/{number}/store/"
+
+
+def is_store_key(key: str) -> bool:
+    return "/store/" in key
 
 
 def node_id_from_key(key: str) -> str:
@@ -249,7 +258,6 @@ class RankAssignment:
     local_world_size: int
     group_rank: int
     group_world_size: int
-    extra: dict = field(default_factory=dict)
 
 
 def assign_ranks(plan: Plan, node_id: str) -> list[RankAssignment]:

@@ -123,7 +123,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._plan, self._change = plan, None
         log.info("%s: %s", self._config.node_id, plan.describe())
         member = plan.member(self._config.node_id)
-        store = EtcdStore(self._client, f"{self._config.prefix}rounds/{plan.round}/store/",
+        store = EtcdStore(self._client, p.store_prefix(self._config.prefix, plan.round),
                           self._store_timeout)
         return RendezvousInfo(store, member.node_rank, len(plan.members),
                               RendezvousStoreInfo(plan.master_addr, plan.master_port))

@@ -20,6 +20,19 @@ PROBE = Path(__file__).resolve().parents[1] / "helpers" / "probe_worker.py"
 MLP = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """Lines of a log the workers append to; a line being written is skipped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
+
+
 @dataclass
 class Job:
     endpoint: str
@@ -70,15 +83,7 @@ class Job:
         self.agents[node].send_signal(signal.SIGTERM)
 
     def steps(self) -> list[dict]:
-        if not self.steps_file.exists():
-            return []
-        rows = []
-        for line in self.steps_file.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line being written right now
-        return rows
+        return read_jsonl(self.steps_file)
 
     def wait_for(self, predicate, timeout: float, what: str):
         deadline = time.monotonic() + timeout

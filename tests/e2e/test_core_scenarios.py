@@ -36,7 +36,7 @@ def test_kill_rank0_host_then_sigterm_another(job):
     job.start("a", "b", "c")
     rows = job.wait_world(6)
     host = next(r for r in rows if r["RANK"] == "0")
-    victim = next(n for n in "abc" if f"ranks 0..1" in _plan_line(job, n, host["ELASTIC_RUN_ROUND"]))
+    victim = next(n for n in "abc" if "ranks 0..1" in _plan_line(job, n, host["ELASTIC_RUN_ROUND"]))
     killed_at = time.time()
     job.kill(victim)
     rows = job.wait_world(4, after=killed_at, timeout=30)

@@ -8,7 +8,6 @@ agent's process group leaves its workers alive; a node's death means both.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.harness import read_jsonl
 
 from elastic_runner.config import SCHEMA_PREFIX, EtcdConfig
 from elastic_runner.etcd.client import EtcdClient
@@ -52,16 +53,7 @@ def torchrun(endpoint: str, script: Path, steps: Path, *script_args: str) -> lis
             str(script), str(steps), *script_args]
 
 
-def read_steps(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written right now
-    return rows
+read_steps = read_jsonl
 
 
 def wait_world(path: Path, size: int, after: float, logs: list[Path],

@@ -8,23 +8,14 @@ from collections import Counter
 
 import pytest
 
-from tests.e2e.harness import MLP
+from tests.e2e.harness import MLP, read_jsonl
 
 pytestmark = pytest.mark.e2e
 
 SAMPLES, GLOBAL_BATCH = 4800, 16  # 300 steps in the epoch
 
 
-def read_trace(path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
+read_trace = read_jsonl
 
 
 @pytest.fixture
