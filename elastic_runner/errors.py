@@ -86,7 +86,8 @@ EXIT_CODES = {
     4: "etcd unreachable, refused our credentials, or answered unexpectedly",
     5: "rendezvous failed: spec mismatch, timeout below --min-nodes, run already finished",
     6: "workers failed more than --max-restarts times",
-    130: "stopped by SIGINT/SIGTERM before the job finished",
+    130: "stopped by SIGINT before the job finished",
+    143: "stopped by SIGTERM while workers had not exited 0",
 }
 
 
