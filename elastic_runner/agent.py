@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_runner.config import AgentConfig, EtcdConfig
-from elastic_runner.errors import ShutdownRequested, WorkerFailure
+from elastic_runner.errors import RendezvousError, ShutdownRequested, WorkerFailure
 from elastic_runner.etcd.client import EtcdClient
+from elastic_runner.events import EVENTS_FILE, EventLog
 from elastic_runner.rendezvous.handler import EtcdRendezvous, failure_message
 from elastic_runner.rendezvous.protocol import FINISHED, JobSpec, Plan
 from elastic_runner.workers import EXIT_FOR_RESIZE, WorkerExit, WorkerGroup
@@ -53,8 +54,14 @@ class Agent:
         self.rendezvous = EtcdRendezvous(client, config.rendezvous, spec, config.max_restarts)
         self._scratch = Path(tempfile.mkdtemp(prefix="elastic-run-agent-"))
         self._notice_path = self._scratch / "notice"
+        log_dir = config.workers.log_dir
+        self.events = EventLog(config.rendezvous.node_id, config.rendezvous.run_id,
+                               log_dir / EVENTS_FILE if log_dir else None,
+                               publish=self.rendezvous.publish_event)
         self._base_env = {**base_env, **worker_etcd_env(etcd, config.rendezvous.prefix),
                           "ELASTIC_RUN_NOTICE_PATH": str(self._notice_path)}
+        if self.events.path is not None:
+            self._base_env["ELASTIC_RUN_EVENTS_PATH"] = str(self.events.path)
         self._signal: int | None = None
         self._signal_seen = threading.Event()
 
@@ -78,8 +85,13 @@ class Agent:
                  self._rdzv_config.min_nodes, self._rdzv_config.max_nodes,
                  self._config.workers.nproc)
         self.rendezvous.register()
+        self.events.emit("joined", addr=self._rdzv_config.node_addr,
+                         nproc=self._config.workers.nproc)
         try:
             return self._rounds()
+        except (WorkerFailure, RendezvousError) as exc:
+            self.events.emit("failed", error=str(exc).splitlines()[0])
+            raise
         except ShutdownRequested:
             log.info("stopped by %s during rendezvous", self._signal_name())
             return self._shutdown_code(workers_ok=True)
@@ -97,6 +109,7 @@ class Agent:
             paused_at = time.monotonic()
             if outcome.kind == SUCCEEDED:
                 self.rendezvous.finish(plan)
+                self.events.emit("finished", round=plan.round)
                 log.info("workers finished: all %d exited 0", len(group.pids))
                 return 0
             if outcome.kind == SHUTDOWN:
@@ -108,6 +121,8 @@ class Agent:
                 cause = self._record_failure(plan, outcome.failure)
             else:
                 cause = outcome.reason
+                kind = "member_lost" if cause.startswith("member") else "membership_changed"
+                self.events.emit(kind, round=plan.round, reason=cause)
                 log.info("membership changed: %s; stopping workers and re-forming", cause)
                 if "newcomer" in cause:
                     self._drain(group)
@@ -117,13 +132,24 @@ class Agent:
     def _start(self, plan: Plan, previous: Plan | None, paused_at: float) -> WorkerGroup:
         log.info("%s", plan.describe())
         self._notice_path.unlink(missing_ok=True)
+        self.events.emit("round_closed", round=plan.round, world_size=plan.world_size,
+                         master=f"{plan.master_addr}:{plan.master_port}", cause=plan.cause,
+                         restart_count=plan.restart_count,
+                         members=[{"node": m.node_id, "node_rank": m.node_rank,
+                                   "first_rank": m.first_rank, "nproc": m.nproc}
+                                  for m in plan.members])
         group = WorkerGroup.start(plan, self._rdzv_config.node_id, self._rdzv_config.run_id,
                                   self._config.max_restarts, self._config.workers, self._base_env,
                                   echo=self._config.verbosity >= 1)
+        self.events.emit("workers_started", round=plan.round, pids=group.pids)
         if previous is not None:
+            pause = time.monotonic() - paused_at
             log.info("resized: world size %d -> %d in %.2f s (round %d, restarts %d/%d)",
-                     previous.world_size, plan.world_size, time.monotonic() - paused_at,
+                     previous.world_size, plan.world_size, pause,
                      plan.round, plan.restart_count, self._config.max_restarts)
+            self.events.emit("resize", round=plan.round, old_world_size=previous.world_size,
+                             new_world_size=plan.world_size, pause_s=round(pause, 3),
+                             cause=plan.cause)
         return group
 
     def _monitor(self, group: WorkerGroup, plan: Plan) -> Outcome:
@@ -149,6 +175,8 @@ class Agent:
 
     def _record_failure(self, plan: Plan, failure: WorkerExit) -> str:
         record = failure.as_failure(self._rdzv_config.node_id)
+        self.events.emit("worker_exited", round=plan.round, rank=failure.rank,
+                         exit_code=failure.exit_code, signal=failure.signal_name)
         log.warning("worker rank %d %s; restarting the round",
                     failure.rank, f"killed by {failure.signal_name}" if failure.signal_name
                     else f"exited with code {failure.exit_code}")
@@ -167,6 +195,8 @@ class Agent:
         by_etcd = self._rdzv_config.node_id in self.rendezvous.notices(plan)
         if by_signal or by_file or by_etcd:
             self.rendezvous.give_notice(plan.round)
+            source = "SIGTERM" if by_signal else "file" if by_file else "elastic-run notice"
+            self.events.emit("notice", round=plan.round, source=source)
             return True
         return False
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import importlib.util
 import logging
 import os
@@ -21,6 +22,8 @@ from elastic_runner.errors import ConfigError, ElasticRunError, EXIT_CODES, exit
 from elastic_runner.etcd.client import parse_endpoint
 
 ENV_PREFIX = "ELASTIC_RUN_"
+# Verbs before the script name; each module has main(argv, environ) -> exit code.
+SUBCOMMANDS = {"notice": "notice"}
 log = logging.getLogger("elastic_runner")
 
 
@@ -282,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     environ = dict(os.environ)
     verbose = "-v" in argv or "--verbose" in argv
     try:
-        if argv[:1] == ["notice"]:
-            from elastic_runner.notice import main as notice_main
-            return notice_main(argv[1:])
+        if argv[:1] and argv[0] in SUBCOMMANDS:
+            module = importlib.import_module(f"elastic_runner.{SUBCOMMANDS[argv[0]]}")
+            return module.main(argv[1:], environ)
         args = parse_args(argv, environ)
         config = build_config(args, environ, count_gpus() if args.nproc_per_node in
                               ("auto", "gpu") else 0)

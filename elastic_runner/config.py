@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SCHEMA_PREFIX = "/elastic-runner/v1"
+# Layouts of earlier versions: a run id found there belongs to an older runner.
+OLDER_SCHEMA_PREFIXES = ("/elastic-runner/v0",)
 
 
 @dataclass(frozen=True)

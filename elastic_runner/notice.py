@@ -39,7 +39,7 @@ def send_notice(client, run_id: str, node_id: str) -> int:
     return number
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], environ: dict[str, str]) -> int:
     from elastic_runner.launch import connect
 
     args = build_parser().parse_args(argv)

@@ -18,6 +18,7 @@ import datetime
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -43,6 +44,7 @@ class Context:
     etcd_prefix: str = ""
     etcd_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     notice_path: str = ""
+    events_path: str = ""
 
     def notice_given(self) -> bool:
         return bool(self.notice_path) and os.path.exists(self.notice_path)
@@ -74,7 +76,8 @@ def context_from_env(environ: Mapping[str, str], backend: str, device: str) -> C
         run_id=environ.get("TORCHELASTIC_RUN_ID", "local"), backend=backend, device=device,
         etcd_endpoints=endpoints, etcd_prefix=environ.get("ELASTIC_RUN_ETCD_PREFIX", ""),
         etcd_options=options,
-        notice_path=environ.get("ELASTIC_RUN_NOTICE_PATH", ""))
+        notice_path=environ.get("ELASTIC_RUN_NOTICE_PATH", ""),
+        events_path=environ.get("ELASTIC_RUN_EVENTS_PATH", ""))
 
 
 def init(backend: str | None = None, timeout_s: float = 60.0) -> Context:
@@ -162,6 +165,13 @@ class Checkpointer(_checkpoint.Checkpointer):
                          latest_store=latest_store, **kwargs)
         self._context = context
         self._stopping = False
+        self._events = None
+        if context is not None and context.events_path:
+            from pathlib import Path
+
+            from elastic_runner.events import EventLog
+            self._events = EventLog(f"rank{context.rank}", context.run_id,
+                                    Path(context.events_path))
         if context is not None and context.notice_path:
             # Tells the agent these workers act on a notice (checkpoint, then exit).
             open(context.notice_path + ".ready", "a").close()
@@ -172,8 +182,20 @@ class Checkpointer(_checkpoint.Checkpointer):
             self.request_save()
         return super().due(step)
 
+    def load_latest(self) -> Any:
+        state = super().load_latest()
+        if self._events is not None and self.rank == 0 and self.loaded_step is not None:
+            self._events.emit("checkpoint_loaded", step=self.loaded_step,
+                              round=self._context.round)
+        return state
+
     def save(self, step: int, state_dict: Any) -> str | None:
+        started = time.monotonic()
         where = super().save(step, state_dict)
+        if self._events is not None and where is not None:
+            self._events.emit("checkpoint_saved", step=step, url=where,
+                              round=self._context.round, notice=self._stopping,
+                              duration_s=round(time.monotonic() - started, 3))
         if self._stopping:
             self.wait()
             log.warning("spot notice: checkpoint of step %d written; stopping for the resize", step)

@@ -215,8 +215,10 @@ class EtcdClient:
         response = self._retrying(lambda: self._client.put(key, value, lease=lease), f"put {key}")
         return response.header.revision
 
-    def delete_prefix(self, prefix: str) -> None:
-        self._retrying(lambda: self._client.delete_prefix(prefix), f"delete {prefix}*")
+    def count_prefix(self, prefix: str) -> int:
+        response = self._retrying(
+            lambda: self._client.get_prefix_response(prefix, count_only=True), f"count {prefix}*")
+        return response.count
 
     def txn(self, compares: Sequence[Compare], success: Sequence[Put | Delete],
             failure: Sequence[Put | Delete] = ()) -> TxnResult:

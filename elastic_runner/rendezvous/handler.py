@@ -15,9 +15,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from elastic_runner.config import RendezvousConfig
+from elastic_runner.config import OLDER_SCHEMA_PREFIXES, RendezvousConfig
 from elastic_runner.errors import (
-    RendezvousTimeout, RunFinished, ShutdownRequested, SpecMismatch, WorkerFailure,
+    RendezvousTimeout, RunFinished, SchemaMismatch, ShutdownRequested, SpecMismatch,
+    WorkerFailure,
 )
 from elastic_runner.etcd.client import EtcdClient, Put, key_missing, mod_revision_is
 from elastic_runner.etcd.lease import KeptLease
@@ -26,6 +27,8 @@ from elastic_runner.etcd.server import free_port
 from elastic_runner.rendezvous import protocol as p
 
 log = logging.getLogger(__name__)
+
+EVENT_TTL_S = 24 * 3600
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ class EtcdRendezvous:
         self._max_restarts = max_restarts
         self.prefix = config.prefix
         self.node_id = config.node_id
-        self.mirror = PrefixMirror(client, self.prefix, ignore=p.is_store_key)
+        self.mirror = PrefixMirror(client, self.prefix, ignore=p.is_passive_key)
         self.lease: KeptLease | None = None
         self.shutdown = threading.Event()
         self._min_met_at: dict[int, float] = {}
@@ -57,6 +60,11 @@ class EtcdRendezvous:
         self._take_lease()
 
     def _check_spec(self) -> None:
+        for older in OLDER_SCHEMA_PREFIXES:
+            if self._client.count_prefix(f"{older}/{self._config.run_id}/"):
+                raise SchemaMismatch(
+                    f"run {self._config.run_id!r} has keys under {older}/ written by an older "
+                    "elastic-runner; finish it with that version, or pass a new --run-id")
         key = p.spec_key(self.prefix)
         if self._client.create_if_absent(key, self._spec.to_json()):
             return
@@ -119,6 +127,12 @@ class EtcdRendezvous:
         """Record the first failure of a round: the one the job's error will name."""
         self._client.create_if_absent(p.failure_key(self.prefix, number),
                                       json.dumps(failure).encode())
+
+    def publish_event(self, record: dict) -> None:
+        """A copy of an event for `status`, expiring on its own after EVENT_TTL_S."""
+        lease = self._client.grant_lease(EVENT_TTL_S)
+        key = p.event_key(self.prefix, time.time_ns(), self.node_id)
+        self._client.put(key, json.dumps(record, default=str).encode(), lease=lease)
 
     def give_notice(self, round_number: int) -> None:
         """Announce that this node is about to be reclaimed (bound to our lease)."""

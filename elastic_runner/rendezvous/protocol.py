@@ -78,8 +78,17 @@ def store_prefix(prefix: str, number: int) -> str:
     return f"{prefix}rounds/{number}/store/"
 
 
-def is_store_key(key: str) -> bool:
-    return "/store/" in key
+def events_prefix(prefix: str) -> str:
+    return f"{prefix}events/"
+
+
+def event_key(prefix: str, time_ns: int, node_id: str) -> str:
+    return f"{events_prefix(prefix)}{time_ns:020d}-{node_id}"
+
+
+def is_passive_key(key: str) -> bool:
+    """Keys that record (torch's store, the event log) but decide nothing."""
+    return "/store/" in key or "/events/" in key
 
 
 def node_id_from_key(key: str) -> str:

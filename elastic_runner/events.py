@@ -1,0 +1,61 @@
+"""Structured membership events: one JSON line each, locally and in etcd.
+
+Why both: the local file (`--log-dir/events.jsonl`) survives etcd and feeds
+`elastic-run report`; the bounded etcd copy lets `elastic-run status` show the
+recent history of a run from any machine. Emitting never raises: losing an event
+must not stop training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    def __init__(self, node_id: str, run_id: str, path: Path | None = None,
+                 publish: Callable[[dict], None] | None = None):
+        self._node_id = node_id
+        self._run_id = run_id
+        self.path = path
+        self._publish = publish
+        self._lock = threading.Lock()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(self, kind: str, **fields) -> dict:
+        record = {"time": time.time(), "run_id": self._run_id, "node": self._node_id,
+                  "kind": kind, **fields}
+        line = json.dumps(record, sort_keys=True, default=str)
+        with self._lock:
+            if self.path is not None:
+                try:
+                    with open(self.path, "a") as handle:
+                        handle.write(line + "\n")
+                except OSError as exc:
+                    log.debug("event not written to %s: %s", self.path, exc)
+        if self._publish is not None:
+            try:
+                self._publish(record)
+            except Exception as exc:  # etcd down: the local copy is enough
+                log.debug("event %s not published: %s", kind, exc)
+        return record
+
+
+def read_events(path: Path) -> list[dict]:
+    """Events of a log file in order; a line cut short by a crash is skipped."""
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return sorted(events, key=lambda e: e.get("time", 0))
