@@ -54,12 +54,16 @@ class Agent:
         self.rendezvous = EtcdRendezvous(client, config.rendezvous, spec, config.max_restarts)
         self._scratch = Path(tempfile.mkdtemp(prefix="elastic-run-agent-"))
         self._notice_path = self._scratch / "notice"
+        # Workers' er.report() progress, one small file per rank, read by metrics.
+        self.progress_dir = self._scratch / "progress"
+        self.progress_dir.mkdir()
         log_dir = config.workers.log_dir
         self.events = EventLog(config.rendezvous.node_id, config.rendezvous.run_id,
                                log_dir / EVENTS_FILE if log_dir else None,
                                publish=self.rendezvous.publish_event)
         self._base_env = {**base_env, **worker_etcd_env(etcd, config.rendezvous.prefix),
-                          "ELASTIC_RUN_NOTICE_PATH": str(self._notice_path)}
+                          "ELASTIC_RUN_NOTICE_PATH": str(self._notice_path),
+                          "ELASTIC_RUN_PROGRESS_DIR": str(self.progress_dir)}
         if self.events.path is not None:
             self._base_env["ELASTIC_RUN_EVENTS_PATH"] = str(self.events.path)
         self._signal: int | None = None

@@ -23,7 +23,7 @@ from elastic_runner.etcd.client import parse_endpoint
 
 ENV_PREFIX = "ELASTIC_RUN_"
 # Verbs before the script name; each module has main(argv, environ) -> exit code.
-SUBCOMMANDS = {"notice": "notice"}
+SUBCOMMANDS = {"notice": "notice", "status": "status", "report": "report", "deploy": "deploy"}
 log = logging.getLogger("elastic_runner")
 
 
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the entry point as a module (python -m)")
     run.add_argument("--no-python", action="store_true", help="run the entry point as an executable")
     out = parser.add_argument_group("output")
+    out.add_argument("--metrics-port", type=int,
+                     help="serve Prometheus metrics on this port (0: any free port)")
     out.add_argument("-v", "--verbose", action="count", default=0, help="more detail")
     out.add_argument("-q", "--quiet", action="store_true", help="errors only")
     parser.add_argument("entrypoint", help="training script (or module with -m)")
@@ -258,7 +260,8 @@ def build_config(args, environ: dict[str, str], gpu_count: int) -> AgentConfig:
                            Path(args.log_dir) if args.log_dir else None, gpu_count)
     verbosity = 0 if args.quiet else 1 + args.verbose
     return AgentConfig(rendezvous, etcd, workers, args.max_restarts, verbosity,
-                       args.notice_deadline, Path(args.notice_file) if args.notice_file else None)
+                       args.notice_deadline, Path(args.notice_file) if args.notice_file else None,
+                       args.metrics_port)
 
 
 def parse_args(argv: list[str], environ: dict[str, str]) -> argparse.Namespace:

@@ -79,3 +79,4 @@ class AgentConfig:
     # the workers get to write the emergency checkpoint before they are stopped.
     notice_deadline_s: float = 25.0
     notice_file: Path | None = None
+    metrics_port: int | None = None

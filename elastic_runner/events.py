@@ -28,8 +28,13 @@ class EventLog:
         self.path = path
         self._publish = publish
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[dict], None]] = []
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+
+    def subscribe(self, listener: Callable[[dict], None]) -> None:
+        """Call `listener(record)` for every event (metrics are one listener)."""
+        self._listeners.append(listener)
 
     def emit(self, kind: str, **fields) -> dict:
         record = {"time": time.time(), "run_id": self._run_id, "node": self._node_id,
@@ -42,6 +47,11 @@ class EventLog:
                         handle.write(line + "\n")
                 except OSError as exc:
                     log.debug("event not written to %s: %s", self.path, exc)
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception:  # a broken listener must not stop the agent
+                log.debug("event listener failed", exc_info=True)
         if self._publish is not None:
             try:
                 self._publish(record)

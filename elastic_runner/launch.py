@@ -37,5 +37,12 @@ def launch(config: AgentConfig, environ: dict[str, str]) -> int:
         client = connect(etcd_config)
         stack.callback(client.close)
         agent = Agent(config, client, etcd_config, environ)
+        if config.metrics_port is not None:
+            from elastic_runner.metrics import start_metrics_server
+
+            server = start_metrics_server(config.metrics_port, agent.progress_dir)
+            agent.events.subscribe(server.observe)
+            stack.callback(server.stop)
+            log.info("metrics at http://%s:%d/metrics", server.host, server.port)
         agent.install_signal_handlers()
         return agent.run()
