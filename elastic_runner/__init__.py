@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "init": "runtime", "finish": "runtime", "current": "runtime", "Context": "runtime",
-    "Checkpointer": "runtime", "EXIT_FOR_RESIZE": "runtime",
+    "Checkpointer": "runtime", "EXIT_FOR_RESIZE": "runtime", "report": "runtime",
     "CheckpointError": "checkpoint", "StaleWriterError": "checkpoint",
     "MemoryLatestStore": "checkpoint",
     "ElasticSampler": "data",

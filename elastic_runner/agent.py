@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_runner.config import AgentConfig, EtcdConfig
-from elastic_runner.errors import RendezvousError, ShutdownRequested, WorkerFailure
+from elastic_runner.errors import (
+    EtcdUnavailable, RendezvousError, ShutdownRequested, WorkerFailure,
+)
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.events import EVENTS_FILE, EventLog
 from elastic_runner.rendezvous.handler import EtcdRendezvous, failure_message
@@ -68,6 +70,8 @@ class Agent:
             self._base_env["ELASTIC_RUN_EVENTS_PATH"] = str(self.events.path)
         self._signal: int | None = None
         self._signal_seen = threading.Event()
+        # How long workers keep training while etcd does not answer.
+        self._etcd_grace_s = 2.0 * config.rendezvous.lease_ttl_s
 
     # ---- signals ----------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -107,31 +111,65 @@ class Agent:
         previous: Plan | None = None
         cause, paused_at = "start", time.monotonic()
         while True:
-            plan = self.rendezvous.next_plan(previous, cause)
+            try:
+                plan = self.rendezvous.next_plan(previous, cause)
+            except EtcdUnavailable as exc:
+                self._wait_for_etcd(exc)
+                continue
             group = self._start(plan, previous, paused_at)
-            outcome = self._monitor(group, plan)
-            paused_at = time.monotonic()
-            if outcome.kind == SUCCEEDED:
-                self.rendezvous.finish(plan)
-                self.events.emit("finished", round=plan.round)
-                log.info("workers finished: all %d exited 0", len(group.pids))
-                return 0
-            if outcome.kind == SHUTDOWN:
-                return self._graceful_exit(group)
-            if outcome.kind == NOTICE:
-                return self._depart(group, plan)
-            if outcome.kind == FAILED:
+            try:
+                outcome = self._monitor(group, plan)
+                paused_at = time.monotonic()
+                if outcome.kind in (SUCCEEDED, SHUTDOWN, NOTICE):
+                    return self._leave(outcome, group, plan)
+                cause = self._wind_down(outcome, group, plan)
+            except EtcdUnavailable as exc:
                 group.stop(self._config.workers.stop_grace_s)
-                cause = self._record_failure(plan, outcome.failure)
-            else:
-                cause = outcome.reason
-                kind = "member_lost" if cause.startswith("member") else "membership_changed"
-                self.events.emit(kind, round=plan.round, reason=cause)
-                log.info("membership changed: %s; stopping workers and re-forming", cause)
-                if "newcomer" in cause:
-                    self._drain(group)
-                group.stop(self._config.workers.stop_grace_s)
+                self._wait_for_etcd(exc)
+                cause = "etcd outage"
             previous = plan
+
+    def _leave(self, outcome: Outcome, group: WorkerGroup, plan: Plan) -> int:
+        if outcome.kind == SHUTDOWN:
+            return self._graceful_exit(group)
+        if outcome.kind == NOTICE:
+            return self._depart(group, plan)
+        self.rendezvous.finish(plan)
+        self.events.emit("finished", round=plan.round)
+        log.info("workers finished: all %d exited 0", len(group.pids))
+        return 0
+
+    def _wind_down(self, outcome: Outcome, group: WorkerGroup, plan: Plan) -> str:
+        """Stop this round's workers; return why, for the next round's record."""
+        if outcome.kind == FAILED:
+            group.stop(self._config.workers.stop_grace_s)
+            return self._record_failure(plan, outcome.failure)
+        cause = outcome.reason
+        kind = "member_lost" if cause.startswith("member") else "membership_changed"
+        self.events.emit(kind, round=plan.round, reason=cause)
+        log.info("membership changed: %s; stopping workers and re-forming", cause)
+        if "newcomer" in cause:
+            self._drain(group)
+        group.stop(self._config.workers.stop_grace_s)
+        return cause
+
+    def _wait_for_etcd(self, error: EtcdUnavailable) -> None:
+        """Workers are stopped; wait (up to --join-timeout) for etcd to answer again."""
+        log.warning("%s; workers stopped, waiting up to %.0f s for etcd", error,
+                    self._rdzv_config.join_timeout_s)
+        self.events.emit("etcd_lost", error=str(error))
+        deadline = time.monotonic() + self._rdzv_config.join_timeout_s
+        while True:
+            if self._signal_seen.is_set():
+                raise ShutdownRequested("shutdown requested while etcd was unreachable")
+            try:
+                self.rendezvous.ping()
+                log.info("etcd answers again: re-forming the job")
+                return
+            except EtcdUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
 
     def _start(self, plan: Plan, previous: Plan | None, paused_at: float) -> WorkerGroup:
         log.info("%s", plan.describe())
@@ -160,6 +198,7 @@ class Agent:
         mirror = self.rendezvous.mirror
         while True:
             generation = mirror.generation
+            self._check_etcd_grace()
             if self._notice_received(plan):
                 return Outcome(NOTICE)
             if self._signal_seen.is_set():
@@ -176,6 +215,17 @@ class Agent:
                 return Outcome(CHANGED, reason)
             self._relay_notices(plan)
             mirror.wait(self._config.workers.monitor_interval_s, generation)
+
+    def _check_etcd_grace(self) -> None:
+        """Workers train on through a short etcd outage; past the grace, stop them.
+
+        Why stop at all: without etcd nobody can see a member leave, and a
+        worker failure could not be recorded; a clean stop keeps the checkpoint.
+        """
+        silent = self.rendezvous.lease.seconds_since_refresh()
+        if silent > self._etcd_grace_s:
+            raise EtcdUnavailable(f"no answer from etcd for {silent:.0f} s "
+                                  f"(grace {self._etcd_grace_s:.0f} s)")
 
     def _record_failure(self, plan: Plan, failure: WorkerExit) -> str:
         record = failure.as_failure(self._rdzv_config.node_id)

@@ -31,6 +31,13 @@ from elastic_runner.errors import ConfigError, EtcdAuthError, EtcdError, EtcdUna
 
 log = logging.getLogger(__name__)
 
+# gRPC's default reconnect backoff grows to 120 s; after an etcd restart we must
+# reconnect well inside a lease TTL, so cap it at one second.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -122,7 +129,8 @@ class EtcdClient:
             host, port, tls = parse_endpoint(url)
             creds = self._credentials() if (tls or self._config.cacert) else None
             endpoints.append(
-                pyetcd.Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=1.0)
+                pyetcd.Endpoint(host, port, secure=creds is not None, creds=creds,
+                                time_retry=0.5, opts=_CHANNEL_OPTIONS)
             )
         try:
             return self._retrying(
@@ -243,6 +251,12 @@ class EtcdClient:
         """Ask the member for its version; proves the endpoint really is etcd."""
         response = self._retrying(lambda: self._client.status(), "a status request")
         return response.version
+
+    def leader_endpoint(self) -> str | None:
+        """The client URL of the cluster's current leader (None while electing)."""
+        status = self._retrying(lambda: self._client.status(), "a status request")
+        return status.leader.client_urls[0] if status.leader and status.leader.client_urls \
+            else None
 
     # ---- leases -----------------------------------------------------------------
     def grant_lease(self, ttl_s: int) -> int:

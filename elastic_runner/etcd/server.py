@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -102,11 +103,17 @@ class EmbeddedEtcd:
         ]
 
     def start(self, wait: bool = True) -> "EmbeddedEtcd":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log_path = self.data_dir / f"{self.name}.log"
         log_file = open(self._log_path, "ab")
+        # PR_SET_PDEATHSIG fires when the *thread* that forked exits, so it is
+        # only safe from the main thread (a restart from a timer thread would
+        # otherwise kill the new server as soon as that thread ends).
+        on_main = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(
             self.command(), stdout=log_file, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=die_with_parent if on_main else None,
         )
         log_file.close()
         if wait:

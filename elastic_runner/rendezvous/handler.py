@@ -88,6 +88,10 @@ class EtcdRendezvous:
             self.lease.revoke()
         self.mirror.stop()
 
+    def ping(self) -> None:
+        """One cheap request: raises EtcdUnavailable while etcd does not answer."""
+        self._client.server_version()
+
     # ---- reading the mirror -----------------------------------------------------
     def current_round(self) -> RoundView | None:
         kv = self.mirror.get(p.round_key(self.prefix))

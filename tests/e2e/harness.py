@@ -122,7 +122,8 @@ class Job:
         from elastic_runner.config import EtcdConfig
         from elastic_runner.etcd.client import EtcdClient
 
-        return EtcdClient(EtcdConfig((self.endpoint,), timeout_s=2.0, retry_deadline_s=5.0))
+        return EtcdClient(EtcdConfig(tuple(self.endpoint.split(",")), timeout_s=2.0,
+                                     retry_deadline_s=5.0))
 
     def node_keys(self) -> set[str]:
         """Node ids registered in etcd right now (their leases are alive)."""
@@ -132,6 +133,14 @@ class Job:
         finally:
             client.close()
         return {kv.key.rsplit("/", 1)[-1] for kv in entries}
+
+    def etcd_keys(self, under: str) -> list[str]:
+        client = self._client()
+        try:
+            entries, _ = client.get_prefix(f"/elastic-runner/v1/{self.run_id}/{under}")
+        finally:
+            client.close()
+        return [kv.key for kv in entries]
 
     def etcd_get(self, key: str) -> bytes | None:
         client = self._client()

@@ -1,0 +1,332 @@
+"""Resize latencies and lost work: elastic-run vs torchrun (c10d), side by side.
+
+One job per launcher variant and repeat walks through the same events:
+
+  start (N nodes)  ->  SIGKILL a non-host node  ->  a new node joins
+  ->  SIGTERM a non-host node  ->  SIGKILL the host node
+
+"host" is the node torchrun's c10d store lives on (the agent listening on the
+rendezvous port) and, for elastic-run, the node of rank 0 (MASTER_ADDR's store).
+Every figure is computed from the workers' own step logs (bench/workload.py):
+the time from the event to the first step at which every rank of the new world
+size has trained, and the steps trained before the event that had to be re-done.
+Each event fires at the same point of the checkpoint interval (half-way), so lost
+work is comparable. A job that dies is recorded as such and started afresh (from
+its checkpoint) for the next event.
+
+    /work/venv/bin/python bench/rescale.py              # N=3 x M=1, 2 repeats, ~10 min
+    /work/venv/bin/python bench/rescale.py --nodes 2 --repeats 1 --variants er,tr
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as c  # noqa: E402
+
+VARIANTS = {
+    "er": ("elastic-run", "elastic-run", {}, ()),
+    "er+ckpt": ("elastic-run + er.Checkpointer", "elastic-run", {}, ("--ckpt", "er")),
+    "tr": ("torchrun c10d (default)", "torchrun", {}, ()),
+    "tr-noshare": ("torchrun c10d + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun",
+                   {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, ()),
+}
+EVENTS = ["start", "sigkill", "join", "sigterm", "host_sigkill"]
+DESCR = {
+    "start": "start -> first step at full size",
+    "sigkill": "SIGKILL non-host node -> first step at smaller size",
+    "join": "node joins -> first step at larger size",
+    "sigterm": "SIGTERM non-host node -> first step at smaller size",
+    "host_sigkill": "SIGKILL host node -> first step at smaller size",
+}
+
+
+class JobDied(Exception):
+    pass
+
+
+def wait_world(job: c.Launcher, world: int, after: float, timeout: float):
+    """(row, None) when the world trains; (None, 'died@Xs') when every agent exited;
+    (None, 'timeout') otherwise."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        row = c.first_full_step(job.steps_file, world, after)
+        if row:
+            return row, None
+        if not job.alive():
+            return None, f"job died {time.time() - after:.1f}s after the event"
+        time.sleep(0.1)
+    return None, f"timeout {timeout:g}s"
+
+
+def wait_mid_interval(job: c.Launcher, since: float, every: int, timeout: float = 60) -> float:
+    """Wait until training has run at least one checkpoint interval since `since`
+    and the newest step is half-way to the next checkpoint. Returns the step."""
+    def ready():
+        rows = [r for r in c.steps_of(job.steps_file) if r["t"] >= since]
+        if not rows:
+            return None
+        first, last = rows[0]["step"], rows[-1]["step"]
+        if last - first >= every and last % every == every // 2:
+            return last
+        return None
+    return c.wait_until(ready, timeout, poll=0.02)
+
+
+def last_step_before(job: c.Launcher, t: float) -> int | None:
+    rows = [r["step"] for r in c.steps_of(job.steps_file) if r["t"] <= t]
+    return max(rows) if rows else None
+
+
+def one_run(key: str, args, etcd_endpoint: str, workdir: Path) -> dict:
+    label, kind, env, extra = VARIANTS[key]
+    M, N = args.nproc, args.nodes
+    script_args = ("--every", args.every, "--step-time", args.step_time, *extra)
+
+    def new_job(tag: str) -> c.Launcher:
+        return c.Launcher(kind, workdir, min_nodes=1, max_nodes=N, nproc=M,
+                          script_args=script_args, env_extra=env, endpoint=etcd_endpoint,
+                          lease_ttl=args.lease_ttl, settle=args.settle,
+                          run_id=f"rescale-{key}-{os.getpid()}-{tag}-{int(time.time())}")
+
+    res: dict = {}
+    names = [f"n{i}" for i in range(N)]
+    job = new_job("a")
+    t0 = job.start(*names)
+    row, err = wait_world(job, N * M, t0, args.event_timeout)
+    res["start"] = {"s": row["t"] - t0 if row else None, "error": err, "redone": 0}
+    joins = 0
+
+    def restart_fresh(reason: str):
+        nonlocal job
+        job.stop_all()
+        job = new_job(f"r{time.time():.0f}")
+        t = job.start(*names)
+        row, err2 = wait_world(job, N * M, t, args.event_timeout)
+        if not row:
+            raise JobDied(f"fresh start after '{reason}' failed: {err2}")
+        return row["t"]
+
+    phase_t = row["t"] if row else None
+    if phase_t is None:
+        job.stop_all()
+        return res
+
+    def fire(event: str):
+        nonlocal phase_t, joins
+        wait_mid_interval(job, phase_t, args.every)
+        alive = job.alive()
+        host = job.host_node()
+        non_host = [n for n in reversed(alive) if n != host]
+        if event == "join":
+            joins += 1
+            node = f"j{joins}"
+            names.append(node)
+            t_ev = job.start(node)
+            target = N * M
+        elif event == "host_sigkill":
+            if host is None:
+                return {"s": None, "error": "host node not found", "redone": None}
+            t_ev = job.sigkill(host)
+            target = (len(alive) - 1) * M
+            names.remove(host) if host in names else None
+        else:
+            victim = non_host[0]
+            names.remove(victim) if victim in names else None
+            t_ev = job.sigkill(victim) if event == "sigkill" else job.sigterm(victim)
+            target = (len(alive) - 1) * M
+        before = last_step_before(job, t_ev)
+        row, err = wait_world(job, target, t_ev, args.event_timeout)
+        out = {"s": row["t"] - t_ev if row else None, "error": err,
+               "redone": max(0, before - row["step"] + 1) if row and before is not None else None,
+               "host": host}
+        if event == "sigterm":
+            victim_proc = job.agents[victim]
+            try:
+                victim_proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            c.kill_tree(victim_proc.pid)
+        if event == "host_sigkill":
+            out["survived"] = row is not None
+        if row:
+            phase_t = row["t"]
+        return out
+
+    for event in EVENTS[1:]:
+        if event == "host_sigkill" and len(job.alive()) < 2:
+            # Losing the host must leave a survivor: bring the job back to N nodes first.
+            try:
+                names[:] = [f"n{i}" for i in range(N)]
+                phase_t = restart_fresh("prepare host kill")
+            except JobDied:
+                break
+        try:
+            res[event] = fire(event)
+        except Exception as exc:  # noqa: BLE001
+            res[event] = {"s": None, "error": f"{type(exc).__name__}: {exc}", "redone": None}
+        print(f"  [{label}] {event}: {res[event]}", flush=True)
+        if res[event]["s"] is None and event != "host_sigkill":
+            # The job is gone or stuck: restore N nodes for the next event.
+            try:
+                names[:] = [f"n{i}" for i in range(N)]
+                phase_t = restart_fresh(event)
+                res[event]["recovered_by_fresh_start"] = True
+            except JobDied as exc:
+                res[event]["error"] += f"; {exc}"
+                break
+    job.stop_all()
+    return res
+
+
+def restart_floor(args, workdir: Path, world: int) -> dict:
+    """A fresh python: import torch + gloo process group + checkpoint load + first step."""
+    runs = []
+    ckpt = workdir / "ckpt"
+    for i in range(args.floor_repeats):
+        out = workdir / f"floor-{i}.jsonl"
+        port = c.free_port()
+        t0 = time.time()
+        procs = []
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            procs.append(c.spawn([c.PY, str(c.WORKLOAD), "--out", str(out), "--ckpt-dir",
+                                  str(ckpt), "--steps", "1000000", "--step-time", "0.05"],
+                                 workdir / "floor.log", env))
+        row = c.wait_until(lambda: c.first_full_step(out, world, t0), 60)
+        starts = [r for r in c.read_jsonl(out) if r.get("kind") == "start"]
+        for p in procs:
+            c.kill_tree(p.pid)
+            p.wait(timeout=10)
+        if row and starts:
+            s = max(starts, key=lambda r: r["t_pg"])
+            runs.append({"total": row["t"] - t0, "import_torch": s["t_torch"] - t0,
+                         "process_group": s["t_pg"] - s["t_torch"],
+                         "ckpt_and_first_step": row["t"] - s["t_pg"]})
+    return {k: c.mmm([r[k] for r in runs]) for k in ("total", "import_torch", "process_group",
+                                                     "ckpt_and_first_step")}
+
+
+def etcd_v2_check() -> dict:
+    from elastic_runner.etcd.server import EmbeddedEtcd
+    info = {}
+    try:
+        import etcd  # noqa: F401  python-etcd, which torch's etcd/etcd-v2 backends import
+        info["python_etcd"] = "installed"
+    except ImportError:
+        info["python_etcd"] = "not installed (torch's etcd-v2 backend imports it: skipped)"
+    try:
+        with EmbeddedEtcd(extra_args=("--enable-v2",)) as e:
+            with urllib.request.urlopen(f"{e.endpoint}/v2/keys/", timeout=3) as r:
+                info["etcd_v2_api"] = f"served by etcd 3.5 with --enable-v2 (HTTP {r.status})"
+    except Exception as exc:  # noqa: BLE001
+        info["etcd_v2_api"] = f"not available: {exc}"
+    info["note"] = ("etcd 3.6 removed the v2 API; torch's etcd backends speak only v2 "
+                    "(pytorch/pytorch#158326)")
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=3, help="agents (N)")
+    ap.add_argument("--nproc", type=int, default=1, help="workers per agent (M)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--variants", default="er,er+ckpt,tr,tr-noshare",
+                    help=f"comma list of {','.join(VARIANTS)}")
+    ap.add_argument("--every", type=int, default=20, help="checkpoint interval (steps)")
+    ap.add_argument("--step-time", type=float, default=0.05)
+    ap.add_argument("--event-timeout", type=float, default=120)
+    ap.add_argument("--lease-ttl", type=int, default=2, help="elastic-run --lease-ttl")
+    ap.add_argument("--settle", type=float, default=1.0, help="elastic-run --settle")
+    ap.add_argument("--floor-repeats", type=int, default=3)
+    args = ap.parse_args()
+    from elastic_runner.etcd.server import EmbeddedEtcd
+
+    keys = args.variants.split(",")
+    info = c.env_info()
+    base = Path(tempfile.mkdtemp(prefix="bench-rescale-", dir=c.RESULTS if c.RESULTS.exists() else None))
+    started = time.time()
+    results: dict = {k: [] for k in keys}
+    with EmbeddedEtcd() as etcd:
+        for rep in range(args.repeats):
+            for key in keys:
+                wd = base / f"{key}-{rep}"
+                print(f"repeat {rep + 1}/{args.repeats}: {VARIANTS[key][0]}", flush=True)
+                results[key].append(one_run(key, args, etcd.endpoint, wd))
+        floor = restart_floor(args, base / f"{keys[0]}-0", (args.nodes - 1) * args.nproc)
+    v2 = etcd_v2_check()
+
+    summary: dict = {}
+    for key in keys:
+        summary[key] = {}
+        for ev in EVENTS:
+            runs = [r.get(ev) for r in results[key] if r.get(ev)]
+            summary[key][ev] = {"s": c.mmm([r["s"] for r in runs]),
+                                "redone": c.mmm([r["redone"] for r in runs]),
+                                "failures": [r["error"] for r in runs if r["error"]]}
+            if ev == "host_sigkill":
+                summary[key][ev]["survived"] = f"{sum(1 for r in runs if r.get('survived'))}/{len(runs)}"
+
+    def cell(key, ev):
+        s = summary[key][ev]
+        txt = c.fmt(s["s"])
+        if ev == "host_sigkill":
+            txt = f"{'yes' if s['survived'].startswith(str(len(results[key]))) and s['s'] else 'no'} " \
+                  f"({s['survived']}) {txt if s['s'] else ''}".strip()
+        elif s["failures"]:
+            txt += f" ({len(s['failures'])} failed)"
+        if ev != "start":
+            txt += f", redo {c.fmt(s['redone'], '', 0)}"
+        return txt
+
+    headers = ["event"] + [VARIANTS[k][0] for k in keys]
+    trs = [k for k in keys if k.startswith("tr")]
+    ers = [k for k in keys if k.startswith("er")]
+    if ers and trs:
+        headers += [f"{ers[0]}/{t}" for t in trs]
+    rows = []
+    for ev in EVENTS:
+        row = [DESCR[ev]] + [cell(k, ev) for k in keys]
+        if ers and trs:
+            for t in trs:
+                r = c.ratio(summary[ers[0]][ev]["s"], summary[t][ev]["s"])
+                row.append(f"{r:.2f}" if r is not None else "n/a (torchrun: no step)")
+        rows.append(row)
+    er_best = min((summary[k][ev]["s"]["median"] for k in ers for ev in ("sigkill", "sigterm")
+                   if summary[k][ev]["s"]), default=None)
+    floor_med = floor["total"]["median"] if floor["total"] else None
+    text = (f"rescale: N={args.nodes} agents x M={args.nproc} worker(s), checkpoint every "
+            f"{args.every} steps, step sleep {args.step_time}s, {args.repeats} repeat(s); "
+            f"median [min-max]; redo = steps re-done\n"
+            f"{info['date_utc']} UTC, {info['cores']} cores, torch {info['torch']}, etcd {info['etcd']}\n\n"
+            + c.table(headers, rows)
+            + f"\n\nrestart floor (fresh python: import torch + gloo group of {(args.nodes - 1) * args.nproc}"
+              f" + ckpt load + first step): {c.fmt(floor['total'], 's', 2)}"
+              f" (import torch {c.fmt(floor['import_torch'], 's', 2)}, process group "
+              f"{c.fmt(floor['process_group'], 's', 2)}, ckpt+first step "
+              f"{c.fmt(floor['ckpt_and_first_step'], 's', 2)})"
+            + (f"\nelastic-run's fastest shrink (median) is {er_best:.2f}s = floor + "
+               f"{er_best - floor_med:.2f}s" if er_best and floor_med else "")
+            + f"\netcd v2: {v2['etcd_v2_api']}; python-etcd: {v2['python_etcd']}"
+            + f"\nwall time {time.time() - started:.0f}s")
+    print("\n" + text)
+    path = c.save("rescale", {"args": vars(args), "env": info, "summary": summary,
+                              "runs": results, "restart_floor": floor, "etcd_v2": v2,
+                              "variants": {k: VARIANTS[k][0] for k in keys}}, text)
+    shutil.rmtree(base, ignore_errors=True)
+    print(f"wrote {path} and {c.LATEST / 'rescale.json'}")
+
+
+if __name__ == "__main__":
+    main()

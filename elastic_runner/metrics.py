@@ -1,0 +1,189 @@
+"""Prometheus metrics of one node's agent, and the progress files that feed them.
+
+Why two sources: membership metrics (world size, rounds, restarts, rescale
+pauses) come from the agent's own events, which `observe()` receives as they
+are emitted; training speed comes from the workers, which must not talk to the
+agent on their hot path. Each worker's `er.report(step, samples)` therefore
+leaves its latest numbers in a small file (`<progress_dir>/rank<R>.json`), and
+a custom collector turns those files into rates only when Prometheus scrapes.
+
+Choices written down here:
+- Every server has its own CollectorRegistry: two agents in one process (tests)
+  or a restarted agent never collide in a global registry.
+- A progress file holds the last two reports, so a rate needs no state in the
+  collector and is right on the very first scrape.
+- `elastic_run_steps_per_second` is the mean over this node's fresh ranks (they
+  step in lockstep); `elastic_run_samples_per_second` is their sum (each rank
+  counts the samples it trained). A rank whose last report is older than
+  STALE_S (a paused job, a rank of an earlier round) counts as 0 steps/s; with
+  no progress files at all the two metrics are absent rather than 0.
+- `elastic_run_checkpoint_save_seconds` observes `checkpoint_saved` records.
+  Workers write those to the events file, not through the agent, so today the
+  histogram fills only where an agent relays them; no checkpoint-age metric is
+  exported because neither the checkpoint record nor the progress files carry
+  a checkpoint time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+STALE_S = 10.0
+PAUSE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+SAVE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+# ---- progress files: written by workers, read by the collector -------------------
+@dataclass
+class ProgressWriter:
+    """One worker's progress file; writes at most once per `min_interval_s`.
+
+    Why rate-limited: `er.report()` is called every step, and a step can take
+    microseconds; the file only has to be fresh at scrape granularity.
+    """
+
+    path: Path
+    min_interval_s: float = 0.5
+    _last: dict | None = None
+    _written_at: float = float("-inf")
+
+    def write(self, step: int, samples: int, now: float | None = None) -> bool:
+        """Record the latest numbers if the last write is old enough; True if written."""
+        monotonic = time.monotonic()
+        if monotonic - self._written_at < self.min_interval_s:
+            return False
+        record = {"step": int(step), "samples": int(samples),
+                  "time": time.time() if now is None else now}
+        if self._last is not None and record["step"] >= self._last["step"]:
+            record.update({f"prev_{k}": v for k, v in self._last.items()
+                           if not k.startswith("prev_")})
+        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            temp.write_text(json.dumps(record))
+            os.replace(temp, self.path)  # readers see the old file or the new, never half
+        except OSError:
+            return False  # progress is advisory: a full disk must not stop training
+        self._last, self._written_at = record, monotonic
+        return True
+
+
+@dataclass(frozen=True)
+class Rates:
+    steps_per_s: float
+    samples_per_s: float
+
+
+def read_progress(progress_dir: Path) -> list[dict]:
+    """Every rank's last progress record; unreadable files are skipped."""
+    records = []
+    for path in sorted(progress_dir.glob("rank*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return records
+
+
+def progress_rates(records: list[dict], now: float, stale_s: float = STALE_S) -> Rates | None:
+    """Steps/s (mean over fresh ranks) and samples/s (sum); None without records."""
+    if not records:
+        return None
+    steps, samples = [], []
+    for record in records:
+        span = record.get("time", 0) - record.get("prev_time", record.get("time", 0))
+        if span <= 0 or now - record["time"] > stale_s:
+            continue
+        steps.append((record["step"] - record["prev_step"]) / span)
+        samples.append((record["samples"] - record["prev_samples"]) / span)
+    if not steps:
+        return Rates(0.0, 0.0)
+    return Rates(sum(steps) / len(steps), sum(samples))
+
+
+class ProgressCollector:
+    """Computes training speed from the progress files at scrape time."""
+
+    def __init__(self, progress_dir: Path):
+        self._dir = progress_dir
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        rates = progress_rates(read_progress(self._dir), time.time())
+        if rates is None:
+            return
+        yield GaugeMetricFamily("elastic_run_steps_per_second",
+                                "Training steps per second on this node (mean over its ranks)",
+                                value=rates.steps_per_s)
+        yield GaugeMetricFamily("elastic_run_samples_per_second",
+                                "Samples per second trained by this node's ranks",
+                                value=rates.samples_per_s)
+
+
+# ---- membership metrics from the agent's events ----------------------------------
+def restart_cause(text: str) -> str:
+    """A small, fixed label set from a free-text round cause (labels must not explode)."""
+    lowered = text.lower()
+    for needle, label in (("notice", "notice"), ("newcomer", "newcomer"),
+                          ("member", "member-lost"), ("lease", "member-lost"),
+                          ("failure", "worker-failure")):
+        if needle in lowered:
+            return label
+    return "other"
+
+
+class MetricsServer:
+    """An HTTP endpoint with this agent's metrics; `observe` is an EventLog listener."""
+
+    def __init__(self, port: int, progress_dir: Path, host: str = "0.0.0.0"):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.world_size = Gauge("elastic_run_world_size", "Workers in the current round",
+                                registry=self.registry)
+        self.rounds = Counter("elastic_run_rounds", "Rounds this node took part in",
+                              registry=self.registry)
+        self.restarts = Counter("elastic_run_restarts",
+                                "Times this node's workers were restarted, by cause",
+                                ["cause"], registry=self.registry)
+        self.pause = Histogram("elastic_run_rescale_pause_seconds",
+                               "Seconds from stopping workers to restarting them on a resize",
+                               buckets=PAUSE_BUCKETS, registry=self.registry)
+        self.checkpoint_save = Histogram("elastic_run_checkpoint_save_seconds",
+                                         "Seconds rank 0 spent writing a checkpoint",
+                                         buckets=SAVE_BUCKETS, registry=self.registry)
+        self.registry.register(ProgressCollector(progress_dir))
+        self._seen_round = False
+        self._server, self._thread = start_http_server(port, host, registry=self.registry)
+        self.host = host
+        self.port = self._server.server_address[1]
+
+    def observe(self, record: dict) -> None:
+        """Update the metrics from one event record (see events.py for the kinds)."""
+        kind = record.get("kind")
+        if kind == "round_closed":
+            self.world_size.set(record.get("world_size", 0))
+            self.rounds.inc()
+            if self._seen_round:
+                self.restarts.labels(restart_cause(str(record.get("cause", "")))).inc()
+            self._seen_round = True
+        elif kind == "resize" and record.get("pause_s") is not None:
+            self.pause.observe(float(record["pause_s"]))
+        elif kind == "checkpoint_saved" and record.get("duration_s") is not None:
+            self.checkpoint_save.observe(float(record["duration_s"]))
+        elif kind in ("finished", "failed"):
+            self.world_size.set(0)
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def start_metrics_server(port: int, progress_dir: Path, host: str = "0.0.0.0") -> MetricsServer:
+    """Serve /metrics on host:port (port 0: a free port, reported as `.port`)."""
+    return MetricsServer(port, Path(progress_dir), host)

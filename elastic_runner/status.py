@@ -1,0 +1,315 @@
+"""`elastic-run status`: what a run looks like right now, read from etcd alone.
+
+Why etcd only: it is the one component every node and every operator can reach,
+and it already holds the truth (spec, round, plan, live nodes under their
+leases, the newest checkpoint, a bounded copy of the event log). Nothing here
+writes to etcd.
+
+Choices written down here:
+- While a round is open, the members shown are those of the last closed plan
+  (the workers that ran last), and the round state says "open".
+- "joined" is the time of the node's last `joined` event when the event copy in
+  etcd still has it, else the etcd revision that created its node key.
+- A checkpoint's age is shown only when its record carries a time; the current
+  record (url, step, sha256, world size) does not, so it is usually omitted.
+- Without --run-id every run under the schema prefix is listed. That reads the
+  whole prefix once: fine for an operator's command, not for a tight loop.
+- --watch re-renders when a key under the run's prefix changes (one etcd watch
+  feeding a queue), never on a timer; torch's store keys are ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import time
+
+from elastic_runner.config import SCHEMA_PREFIX, EtcdConfig
+from elastic_runner.errors import ConfigError, RendezvousError
+from elastic_runner.rendezvous import protocol as p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elastic-run status",
+                                     description="Show a run (or list runs) from etcd.")
+    parser.add_argument("--rdzv-endpoints", "--rdzv-endpoint", help="etcd v3 URLs of the run")
+    parser.add_argument("--run-id", "--rdzv-id", help="the run to show (default: list runs)")
+    parser.add_argument("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call")
+    parser.add_argument("--etcd-cacert", help="CA certificate for https endpoints")
+    parser.add_argument("--etcd-cert", help="client certificate")
+    parser.add_argument("--etcd-key", help="client key")
+    parser.add_argument("--etcd-user", help="etcd user name")
+    parser.add_argument("--etcd-password-file", help="file holding the etcd password "
+                        "(or set ELASTIC_RUN_ETCD_PASSWORD)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per view")
+    parser.add_argument("--watch", action="store_true",
+                        help="re-render whenever the run changes in etcd (Ctrl-C to stop)")
+    parser.add_argument("--events", type=int, default=10, help="recent events to show")
+    return parser
+
+
+def etcd_config(args, environ: dict[str, str]) -> EtcdConfig:
+    from elastic_runner.cli import read_password
+    from elastic_runner.etcd.client import parse_endpoint
+
+    endpoints = tuple(e.strip() for e in (args.rdzv_endpoints or "").split(",") if e.strip())
+    if not endpoints:
+        raise ConfigError("--rdzv-endpoints is required: give the etcd URLs the run uses")
+    for endpoint in endpoints:
+        parse_endpoint(endpoint)
+    return EtcdConfig(endpoints, args.etcd_timeout, max(2 * args.etcd_timeout, 5.0),
+                      args.etcd_cacert, args.etcd_cert, args.etcd_key, args.etcd_user,
+                      read_password(args, environ))
+
+
+# ---- reading etcd ---------------------------------------------------------------
+def run_prefix(run_id: str) -> str:
+    return f"{SCHEMA_PREFIX}/{run_id}/"
+
+
+def _json(kv) -> dict | None:
+    try:
+        return json.loads(kv.value) if kv is not None else None
+    except json.JSONDecodeError:
+        return None
+
+
+def list_runs(client) -> list[dict]:
+    """Every run under the schema prefix with its round, state and world size."""
+    entries, _ = client.get_prefix(f"{SCHEMA_PREFIX}/")
+    runs: dict[str, dict] = {}
+    plans: dict[tuple[str, int], dict] = {}
+    for kv in entries:
+        run_id, _, rest = kv.key[len(SCHEMA_PREFIX) + 1:].partition("/")
+        row = runs.setdefault(run_id, {"run_id": run_id, "round": None, "state": None,
+                                       "world_size": None, "nodes": 0})
+        if rest == "round":
+            state = _json(kv) or {}
+            row["round"], row["state"] = state.get("number"), state.get("state")
+        elif rest.startswith("nodes/"):
+            row["nodes"] += 1
+        elif rest.startswith("rounds/") and rest.endswith("/plan"):
+            plans[(run_id, int(rest.split("/")[1]))] = _json(kv) or {}
+    for (run_id, number), plan in plans.items():
+        row = runs[run_id]
+        latest = row.get("_plan_round", -1)
+        if number > latest and (row["round"] is None or number <= row["round"]):
+            row["_plan_round"], row["world_size"] = number, plan.get("world_size")
+    return [{k: v for k, v in row.items() if not k.startswith("_")}
+            for _, row in sorted(runs.items())]
+
+
+def _members(client, plan: p.Plan | None, nodes: dict, joined_at: dict) -> list[dict]:
+    rows = []
+    for member in plan.members if plan else ():
+        kv = nodes.get(member.node_id)
+        rows.append({
+            "node": member.node_id, "addr": member.addr, "nproc": member.nproc,
+            "node_rank": member.node_rank,
+            "ranks": list(range(member.first_rank, member.first_rank + member.nproc)),
+            "live": kv is not None,
+            "joined_at": joined_at.get(member.node_id),
+            "joined_revision": kv.create_revision if kv else None,
+            "lease_remaining_s": _lease_left(client, kv),
+        })
+    return rows
+
+
+def _lease_left(client, kv) -> int | None:
+    if kv is None or not kv.lease:
+        return None
+    remaining = client.lease_remaining(kv.lease)
+    return remaining if remaining >= 0 else None
+
+
+def _checkpoint(client, prefix: str, now: float) -> dict | None:
+    record = _json(client.get(p.checkpoint_key(prefix)))
+    if record is None:
+        return None
+    found = {"step": record.get("step"), "url": record.get("url"),
+             "world_size": record.get("world_size")}
+    if isinstance(record.get("time"), (int, float)):
+        found["age_s"] = round(now - record["time"], 1)
+    return found
+
+
+def run_status(client, run_id: str, events: int = 10) -> dict:
+    """The run's current picture as plain data (the --json output).
+
+    Raises:
+        RendezvousError: nothing of this run is in etcd.
+    """
+    prefix = run_prefix(run_id)
+    spec_kv, round_kv = client.get(p.spec_key(prefix)), client.get(p.round_key(prefix))
+    if spec_kv is None and round_kv is None:
+        raise RendezvousError(f"run {run_id!r} not found in etcd under {prefix}; "
+                              "run `elastic-run status --rdzv-endpoints URLS` to list runs")
+    state = p.RoundState.from_json(round_kv.value) if round_kv else None
+    plan = _current_plan(client, prefix, state)
+    node_kvs, _ = client.get_prefix(p.nodes_prefix(prefix))
+    nodes = {p.node_id_from_key(kv.key): kv for kv in node_kvs}
+    event_kvs, _ = client.get_prefix(p.events_prefix(prefix))
+    all_events = [e for e in (_json(kv) for kv in event_kvs) if e is not None]
+    joined_at = {e.get("node"): e.get("time") for e in all_events if e.get("kind") == "joined"}
+    in_plan = set(plan.node_ids) if plan else set()
+    return {
+        "run_id": run_id,
+        "spec": _json(spec_kv),
+        "round": state.number if state else None,
+        "state": state.state if state else None,
+        "cause": state.cause if state else None,
+        "plan_round": plan.round if plan else None,
+        "world_size": plan.world_size if plan else 0,
+        "master": f"{plan.master_addr}:{plan.master_port}" if plan else None,
+        "restart_count": plan.restart_count if plan else 0,
+        "members": _members(client, plan, nodes, joined_at),
+        "waiting": [{"node": node, **(_json(kv) or {}), "joined_at": joined_at.get(node),
+                     "lease_remaining_s": _lease_left(client, kv)}
+                    for node, kv in sorted(nodes.items()) if node not in in_plan],
+        "checkpoint": _checkpoint(client, prefix, time.time()),
+        "events": all_events[-events:] if events > 0 else [],
+    }
+
+
+def _current_plan(client, prefix: str, state: p.RoundState | None) -> p.Plan | None:
+    """The plan of the current round if closed, else of the newest closed one before it."""
+    if state is None:
+        return None
+    for number in range(state.number, max(state.number - 2, -1), -1):
+        kv = client.get(p.plan_key(prefix, number))
+        if kv is not None:
+            return p.Plan.from_json(kv.value)
+    return None
+
+
+# ---- rendering ------------------------------------------------------------------
+def _when(t: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) if t else ""
+
+
+def _event_text(event: dict) -> str:
+    skip = {"time", "run_id", "node", "kind"}
+    return " ".join(f"{k}={v}" for k, v in sorted(event.items()) if k not in skip)[:100]
+
+
+def render_status(console, status: dict) -> None:
+    from rich.table import Table
+
+    ckpt = status["checkpoint"]
+    head = (f"[bold]{status['run_id']}[/] round {status['round']} [bold]{status['state']}[/]"
+            f" ({status['cause']}), world size {status['world_size']}, master "
+            f"{status['master']}, restarts {status['restart_count']}")
+    console.print(head)
+    if ckpt:
+        age = f", {ckpt['age_s']:g} s ago" if "age_s" in ckpt else ""
+        console.print(f"checkpoint: step {ckpt['step']} at {ckpt['url']}{age}")
+    members = Table(title=f"members (plan of round {status['plan_round']})")
+    for column in ("node", "addr", "nproc", "node rank", "ranks", "joined", "lease left"):
+        members.add_column(column)
+    for m in status["members"]:
+        lease = f"{m['lease_remaining_s']} s" if m["lease_remaining_s"] is not None else "gone"
+        ranks = f"{m['ranks'][0]}..{m['ranks'][-1]}" if m["ranks"] else ""
+        joined = _when(m["joined_at"]) or f"rev {m['joined_revision']}"
+        members.add_row(m["node"], m["addr"], str(m["nproc"]), str(m["node_rank"]), ranks,
+                        joined, lease)
+    console.print(members)
+    if status["waiting"]:
+        waiting = Table(title="waiting (live, not in the plan)")
+        for column in ("node", "addr", "nproc", "lease left"):
+            waiting.add_column(column)
+        for w in status["waiting"]:
+            waiting.add_row(w["node"], str(w.get("addr", "")), str(w.get("nproc", "")),
+                            f"{w['lease_remaining_s']} s")
+        console.print(waiting)
+    events = Table(title=f"last {len(status['events'])} events")
+    for column in ("time", "node", "kind", "detail"):
+        events.add_column(column)
+    for e in status["events"]:
+        events.add_row(_when(e.get("time")), str(e.get("node")), str(e.get("kind")),
+                       _event_text(e))
+    console.print(events)
+
+
+def render_runs(console, runs: list[dict]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"runs under {SCHEMA_PREFIX}/")
+    for column in ("run id", "round", "state", "world size", "live nodes"):
+        table.add_column(column)
+    for run in runs:
+        table.add_row(run["run_id"], str(run["round"]), str(run["state"]),
+                      str(run["world_size"]), str(run["nodes"]))
+    console.print(table if runs else "no runs in etcd")
+
+
+# ---- the command ----------------------------------------------------------------
+def show(client, console, args) -> None:
+    if args.run_id:
+        view = run_status(client, args.run_id, args.events)
+        if args.json:
+            print(json.dumps(view, default=str), file=console.file, flush=True)
+        else:
+            render_status(console, view)
+    else:
+        runs = list_runs(client)
+        if args.json:
+            print(json.dumps({"runs": runs}), file=console.file, flush=True)
+        else:
+            render_runs(console, runs)
+
+
+def watch(client, console, args) -> int:
+    """Render, then render again after each batch of changes; Ctrl-C ends it with 0."""
+    changes: queue.Queue = queue.Queue()
+    prefix = run_prefix(args.run_id) if args.run_id else f"{SCHEMA_PREFIX}/"
+    _, revision = client.get_prefix(prefix + "\0")  # just the store revision
+    handle = client.watch_prefix(prefix, revision + 1, lambda evs: changes.put(
+        [e for e in evs if "/store/" not in e.key]))
+    try:
+        while True:
+            if console.is_terminal and not args.json:
+                console.clear()
+            elif not args.json:
+                console.rule(time.strftime("%H:%M:%S"))
+            show(client, console, args)
+            console.file.flush()
+            while not _drain(changes):
+                pass
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        handle.cancel()
+
+
+def _drain(changes: queue.Queue) -> bool:
+    """Wait for a relevant change, then swallow the burst that came with it."""
+    try:
+        relevant = bool(changes.get(timeout=1.0))
+    except queue.Empty:
+        return False
+    while True:
+        try:
+            relevant |= bool(changes.get_nowait())
+        except queue.Empty:
+            return relevant
+
+
+def main(argv: list[str], environ: dict[str, str]) -> int:
+    from rich.console import Console
+
+    from elastic_runner.cli import apply_env_defaults
+    from elastic_runner.launch import connect
+
+    parser = build_parser()
+    apply_env_defaults(parser, environ)
+    args = parser.parse_args(argv)
+    client = connect(etcd_config(args, environ))
+    console = Console(soft_wrap=args.json, highlight=not args.json)
+    try:
+        if args.watch:
+            return watch(client, console, args)
+        show(client, console, args)
+        return 0
+    finally:
+        client.close()

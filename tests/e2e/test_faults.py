@@ -1,0 +1,100 @@
+"""Issue 5's fault scenarios as schedules: etcd outages, cluster member loss,
+agents killed mid-rendezvous."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elastic_runner.config import EtcdConfig
+from elastic_runner.etcd.client import EtcdClient
+from elastic_runner.etcd.server import EmbeddedEtcd
+from tests.faults import at_step, kill_process, run_schedule, stop_etcd
+
+pytestmark = pytest.mark.e2e
+
+
+def rounds_after(job, when: float) -> set[str]:
+    return {r["ELASTIC_RUN_ROUND"] for r in job.steps() if r["t"] > when}
+
+
+def test_short_etcd_restart_does_not_disturb_training(job, etcd):
+    job.start("a", "b")
+    formed = job.wait_world(4)
+    # Lease TTL 2 s -> grace 4 s: a 1 s outage plus restart stays inside it.
+    fired = run_schedule(job, [at_step(job.steps()[-1]["step"] + 5, stop_etcd(etcd, 1.0))])
+    outage = fired[0].time
+    job.wait_for(lambda: max((r["step"] for r in job.steps() if r["t"] > outage),
+                             default=0) > fired[0].step + 80, 60,
+                 "80 steps after the outage")
+    assert rounds_after(job, outage - 1) == {formed[0]["ELASTIC_RUN_ROUND"]}  # no re-formation
+    pids = {r["pid"] for r in job.steps() if r["t"] > outage - 1}
+    assert pids == {r["pid"] for r in formed}                 # no worker restarted
+    assert all(p.poll() is None for p in job.agents.values())
+
+
+def test_long_etcd_outage_stops_workers_then_resumes(job, etcd):
+    job.start("a", "b")
+    formed = job.wait_world(4)
+    fired = run_schedule(job, [at_step(job.steps()[-1]["step"] + 5, stop_etcd(etcd, 8.0))])
+    rows = job.wait_world(4, after=fired[0].time + 8.0, timeout=60)
+    assert int(rows[0]["ELASTIC_RUN_ROUND"]) > int(formed[0]["ELASTIC_RUN_ROUND"])
+    for node in ("a", "b"):
+        assert "workers stopped, waiting up to" in job.agent_log(node)
+    assert all(p.poll() is None for p in job.agents.values())
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path):
+    members = [EmbeddedEtcd(name=f"m{i}", data_dir=tmp_path / f"m{i}") for i in range(3)]
+    cluster = ",".join(f"{m.name}={m.peer_url}" for m in members)
+    for member in members:
+        member.initial_cluster = cluster
+        member.start(wait=False)
+    for member in members:
+        member.wait_healthy()
+    yield members
+    for member in members:
+        member.stop()
+
+
+def test_losing_the_etcd_leader_keeps_training(etcd_cluster, tmp_path):
+    from tests.e2e.harness import Job
+
+    endpoints = ",".join(m.endpoint for m in etcd_cluster)
+    job = Job(endpoints, tmp_path, lease_ttl=3)
+    try:
+        job.start("a", "b")
+        formed = job.wait_world(4)
+        client = EtcdClient(EtcdConfig((etcd_cluster[0].endpoint,), 2.0, 5.0))
+        leader = client.leader_endpoint()
+        client.close()
+        victim = next(m for m in etcd_cluster if m.endpoint == leader)
+        fired = run_schedule(job, [at_step(job.steps()[-1]["step"] + 5, kill_process(victim))])
+        job.wait_for(lambda: max((r["step"] for r in job.steps() if r["t"] > fired[0].time),
+                                 default=0) > fired[0].step + 80, 60,
+                     "80 steps after the leader was killed")
+        assert rounds_after(job, fired[0].time - 1) == {formed[0]["ELASTIC_RUN_ROUND"]}
+        pids = {r["pid"] for r in job.steps() if r["t"] > fired[0].time - 1}
+        assert pids == {r["pid"] for r in formed}
+    finally:
+        job.stop_all()
+
+
+def test_agent_killed_between_join_and_plan(job):
+    job.settle = 6.0  # the round stays open long enough to lose a joiner
+    job.start("a", "b", "c")
+    job.wait_for(lambda: len(job.etcd_keys("rounds/0/join/")) == 3 or None, 30, "3 joiners")
+    job.kill("c")
+    rows = job.wait_world(4, timeout=60)
+    assert {int(r["RANK"]) for r in rows} == set(range(4))
+    assert job.etcd_get("rounds/0/plan") is not None  # the open round did close
+
+
+def test_agent_killed_between_plan_and_start(job):
+    job.start("a", "b", "c")
+    job.wait_for(lambda: "round 0:" in job.agent_log("c") or None, 30, "c's plan")
+    job.kill("c")
+    rows = job.wait_world(4, after=time.time(), timeout=60)
+    assert {int(r["RANK"]) for r in rows} == set(range(4))

@@ -1,0 +1,97 @@
+"""`elastic-run status` against a real etcd holding a real run (agents via the harness)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from elastic_runner.config import EtcdConfig
+from elastic_runner.errors import RendezvousError
+from elastic_runner.launch import connect
+from elastic_runner.status import list_runs, run_status
+from tests.e2e.harness import Job
+
+
+@pytest.fixture
+def job(etcd, tmp_path):
+    created = Job(etcd.endpoint, tmp_path, run_id="status-run", nproc=1, max_nodes=3)
+    yield created
+    created.stop_all()
+
+
+def status_cli(endpoint: str, *flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elastic_runner", "status",
+                           "--rdzv-endpoints", endpoint, *flags],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_json_shows_members_round_and_events(job):
+    job.start("a")
+    job.wait_world(1)
+    done = status_cli(job.endpoint, "--run-id", job.run_id, "--json", "--events", "2")
+    assert done.returncode == 0, done.stderr
+    view = json.loads(done.stdout)
+    assert (view["run_id"], view["state"], view["world_size"]) == ("status-run", "closed", 1)
+    assert view["spec"]["nproc"] == 1
+    [member] = view["members"]
+    assert (member["node"], member["node_rank"], member["ranks"]) == ("a", 0, [0])
+    assert member["live"] and member["lease_remaining_s"] > 0 and member["joined_at"]
+    assert view["waiting"] == []
+    assert len(view["events"]) == 2
+    assert {e["kind"] for e in view["events"]} <= {"joined", "round_closed", "workers_started"}
+
+
+def test_table_output_and_run_listing(job):
+    job.start("a")
+    job.wait_world(1)
+    table = status_cli(job.endpoint, "--run-id", job.run_id)
+    assert table.returncode == 0, table.stderr
+    assert "status-run" in table.stdout and "members" in table.stdout and "a" in table.stdout
+    listing = status_cli(job.endpoint, "--json")
+    assert listing.returncode == 0, listing.stderr
+    [run] = json.loads(listing.stdout)["runs"]
+    assert (run["run_id"], run["state"], run["world_size"], run["nodes"]) == \
+        ("status-run", "closed", 1, 1)
+    assert "status-run" in status_cli(job.endpoint).stdout
+
+
+def test_unknown_run_is_one_clear_error(etcd):
+    done = status_cli(etcd.endpoint, "--run-id", "no-such-run")
+    assert done.returncode == RendezvousError.exit_code
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no-such-run" in lines[0] and "not found" in lines[0]
+    client = connect(EtcdConfig((etcd.endpoint,), 2.0, 5.0))
+    try:
+        with pytest.raises(RendezvousError):
+            run_status(client, "no-such-run")
+        assert list_runs(client) == []
+    finally:
+        client.close()
+
+
+def test_watch_rerenders_when_a_node_joins(job):
+    job.start("a")
+    job.wait_world(1)
+    watcher = subprocess.Popen([sys.executable, "-m", "elastic_runner", "status",
+                                "--rdzv-endpoints", job.endpoint, "--run-id", job.run_id,
+                                "--json", "--watch"], stdout=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in watcher.stdout],
+                     daemon=True).start()
+    try:
+        first = json.loads(lines.get(timeout=60))
+        assert first["world_size"] == 1
+        job.start("b")
+        while True:  # each change in etcd prints a new view; wait for the grown world
+            view = json.loads(lines.get(timeout=60))
+            if view["world_size"] == 2 and view["state"] == "closed":
+                break
+        assert [m["node"] for m in view["members"]] == ["a", "b"]
+    finally:
+        watcher.send_signal(subprocess.signal.SIGINT)
+        assert watcher.wait(timeout=20) == 0
