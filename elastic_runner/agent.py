@@ -30,7 +30,7 @@ from elastic_runner.errors import (
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.events import EVENTS_FILE, EventLog
 from elastic_runner.rendezvous.handler import EtcdRendezvous, failure_message
-from elastic_runner.rendezvous.protocol import FINISHED, JobSpec, Plan
+from elastic_runner.rendezvous.protocol import FINISHED, JobSpec, Plan, plan_problem
 from elastic_runner.workers import EXIT_FOR_RESIZE, WorkerExit, WorkerGroup
 
 log = logging.getLogger("elastic_runner")
@@ -52,7 +52,8 @@ class Agent:
         self._config = config
         self._rdzv_config = config.rendezvous
         spec = JobSpec(config.rendezvous.min_nodes, config.rendezvous.max_nodes,
-                       config.workers.nproc, config.workers.fingerprint)
+                       config.workers.fingerprint, config.rendezvous.min_workers,
+                       config.rendezvous.max_workers)
         self.rendezvous = EtcdRendezvous(client, config.rendezvous, spec, config.max_restarts)
         self._scratch = Path(tempfile.mkdtemp(prefix="elastic-run-agent-"))
         self._notice_path = self._scratch / "notice"
@@ -173,6 +174,9 @@ class Agent:
 
     def _start(self, plan: Plan, previous: Plan | None, paused_at: float) -> WorkerGroup:
         log.info("%s", plan.describe())
+        problem = plan_problem(plan)
+        if problem:
+            raise RendezvousError(f"refusing to start workers on round {plan.round}: {problem}")
         self._notice_path.unlink(missing_ok=True)
         self.events.emit("round_closed", round=plan.round, world_size=plan.world_size,
                          master=f"{plan.master_addr}:{plan.master_port}", cause=plan.cause,

@@ -45,6 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
                        help="workers per node: an integer, or 'auto' (one per GPU, else 1)")
     nodes.add_argument("--node-id", help="this node's name in the run (default hostname-pid)")
+    nodes.add_argument("--min-workers", type=int, default=0,
+                       help="fewest workers (GPUs) in total to train with (default: no bound)")
+    nodes.add_argument("--max-workers", type=int, default=0,
+                       help="most workers in total; nodes that would exceed it wait as standbys")
+    nodes.add_argument("--node-label", action="append", default=[], metavar="KEY=VALUE",
+                       help="label this node (repeatable), e.g. zone=us-east-1c rack=r12 "
+                            "lifecycle=spot; nodes sharing a zone, then rack, get contiguous ranks")
+    nodes.add_argument("--rank0-prefer", default="lifecycle=on-demand", metavar="KEY=VALUE",
+                       help="put rank 0 on a member with this label when there is one "
+                            "(default lifecycle=on-demand; 'none' to disable)")
     rdzv = parser.add_argument_group("rendezvous")
     rdzv.add_argument("--rdzv-endpoints", "--rdzv-endpoint", "--rdzv_endpoint",
                       help="comma-separated etcd v3 URLs; absent: start an embedded local etcd")
@@ -107,7 +117,9 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str])
         if name not in environ:
             continue
         raw = environ[name]
-        if action.nargs == 0:
+        if isinstance(action, argparse._AppendAction):
+            action.default = [part for part in raw.split(",") if part]
+        elif action.nargs == 0:
             action.default = raw.lower() in ("1", "true", "yes", "on") if action.const is True \
                 else int(raw or 0)
         else:
@@ -158,6 +170,13 @@ def parse_nodes(args) -> tuple[int, int]:
         raise ConfigError(f"--min-nodes {low} is greater than --max-nodes {high}; "
                           "raise --max-nodes or lower --min-nodes")
     return low, high
+
+
+def parse_label(text: str, flag: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"{flag} {text!r}: use KEY=VALUE, e.g. zone=us-east-1c")
+    return key.strip(), value.strip()
 
 
 def parse_nproc(text: str, gpu_count: int) -> int:
@@ -255,7 +274,14 @@ def build_config(args, environ: dict[str, str], gpu_count: int) -> AgentConfig:
     rendezvous = RendezvousConfig(
         run_id, args.node_id or default_node_id(), min_nodes, max_nodes, args.lease_ttl,
         args.join_timeout, args.settle, args.master_addr or local_address(endpoints),
-        args.master_port, drain_timeout_s=args.notice_deadline + args.stop_grace)
+        args.master_port, drain_timeout_s=args.notice_deadline + args.stop_grace, nproc=nproc,
+        min_workers=args.min_workers, max_workers=args.max_workers,
+        labels=tuple(sorted(parse_label(t, "--node-label") for t in args.node_label)),
+        rank0_prefer=None if args.rank0_prefer in ("", "none")
+        else parse_label(args.rank0_prefer, "--rank0-prefer"))
+    if args.max_workers and args.max_workers < max(args.min_workers, nproc):
+        raise ConfigError(f"--max-workers {args.max_workers} is below --min-workers or this "
+                          f"node's {nproc} worker(s); raise --max-workers")
     workers = WorkerConfig(argv, nproc, fingerprint, args.stop_grace, args.monitor_interval,
                            Path(args.log_dir) if args.log_dir else None, gpu_count)
     verbosity = 0 if args.quiet else 1 + args.verbose

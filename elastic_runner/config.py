@@ -47,6 +47,12 @@ class RendezvousConfig:
     # How long a new round waits for live members of the last one that have not
     # joined yet: they may be writing the checkpoint this resize resumes from.
     drain_timeout_s: float = 30.0
+    nproc: int = 1
+    min_workers: int = 0
+    max_workers: int = 0
+    labels: tuple[tuple[str, str], ...] = ()
+    # Rank 0 goes to a member with this label when there is one.
+    rank0_prefer: tuple[str, str] | None = ("lifecycle", "on-demand")
 
     @property
     def prefix(self) -> str:

@@ -79,7 +79,8 @@ class EtcdRendezvous:
     def _take_lease(self) -> None:
         self.lease = KeptLease(self._client, self._config.lease_ttl_s, on_lost=self.mirror.wake)
         record = json.dumps({"node_id": self.node_id, "addr": self._config.node_addr,
-                             "nproc": self._spec.nproc}).encode()
+                             "nproc": self._config.nproc,
+                             "labels": dict(self._config.labels)}).encode()
         self._client.put(p.node_key(self.prefix, self.node_id), record, lease=self.lease.id)
 
     def leave(self) -> None:
@@ -121,7 +122,8 @@ class EtcdRendezvous:
 
     def _join(self, seen: RoundView) -> None:
         port = self._config.master_port or free_port(self._config.node_addr)
-        joiner = p.Joiner(self.node_id, self._config.node_addr, port, self._spec.nproc)
+        joiner = p.Joiner(self.node_id, self._config.node_addr, port, self._config.nproc,
+                          labels=self._config.labels)
         key = p.join_key(self.prefix, seen.state.number, self.node_id)
         result = self._client.txn([mod_revision_is(p.round_key(self.prefix), seen.mod_revision)],
                                   [Put(key, joiner.to_json(), self.lease.id)])
@@ -201,10 +203,16 @@ class EtcdRendezvous:
             return 0.1  # our copy lags the closing transaction by a moment
         if plan.member(self.node_id):
             return plan
-        if len(plan.members) < self._config.max_nodes:
+        if self._has_room(plan):
             self.open_next(seen, "newcomer")
             return None
         return 1.0  # standby: the run is full; a leaving member opens a round
+
+    def _has_room(self, plan: p.Plan) -> bool:
+        """Could this node join the plan without exceeding --max-nodes/--max-workers?"""
+        room_for_workers = not self._config.max_workers or \
+            plan.world_size + self._config.nproc <= self._config.max_workers
+        return len(plan.members) < self._config.max_nodes and room_for_workers
 
     def _in_open_round(self, seen: RoundView, deadline: float):
         number = seen.state.number
@@ -214,7 +222,8 @@ class EtcdRendezvous:
             return None
         now = time.monotonic()
         opened_at = self._opened_at.setdefault(number, now)
-        if len(joiners) >= self._config.min_nodes:
+        if len(joiners) >= self._config.min_nodes and \
+                sum(j.nproc for j in joiners) >= self._config.min_workers:
             self._min_met_at.setdefault(number, now)
         elif now >= deadline:
             raise RendezvousTimeout(
@@ -229,7 +238,8 @@ class EtcdRendezvous:
         drain_left = opened_at + self._config.drain_timeout_s - now
         inputs = p.CloseInputs(
             joined=len(joiners), min_nodes=self._config.min_nodes,
-            max_nodes=self._config.max_nodes,
+            max_nodes=self._config.max_nodes, workers=sum(j.nproc for j in joiners),
+            min_workers=self._config.min_workers, max_workers=self._config.max_workers,
             all_live_joined=live <= joined,
             first_round=previous is None,
             settle_elapsed=settle_left is not None and settle_left <= 0,
@@ -244,9 +254,11 @@ class EtcdRendezvous:
 
     def _close(self, seen: RoundView, joiners: list[p.Joiner], previous: p.Plan | None) -> None:
         number = seen.state.number
-        order = p.rank_order(previous.node_ids if previous else (), joiners)
+        order = p.rank_order(previous.node_ids if previous else (), joiners,
+                             self._config.rank0_prefer)
         plan = p.build_plan(number, order, self._config.max_nodes,
-                            previous.restart_count if previous else 0, seen.state.cause)
+                            previous.restart_count if previous else 0, seen.state.cause,
+                            self._config.max_workers)
         failure = self.mirror.get(p.failure_key(self.prefix, number - 1))
         if previous and p.counts_as_restart(failure is not None, previous.node_ids, plan.node_ids):
             plan = p.Plan(plan.round, plan.members, plan.master_addr, plan.master_port,

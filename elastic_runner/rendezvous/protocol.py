@@ -102,8 +102,12 @@ class JobSpec:
 
     min_nodes: int
     max_nodes: int
-    nproc: int
     fingerprint: str
+    # Bounds on the total number of workers (0: none). Nodes of one job may run
+    # different numbers of workers (a 1-GPU and a 4-GPU spot instance), so the
+    # per-node count is not part of the spec.
+    min_workers: int = 0
+    max_workers: int = 0
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -117,7 +121,7 @@ def spec_conflict(existing: JobSpec, mine: JobSpec) -> str | None:
     """Describe how `mine` differs from the spec the run started with, or None."""
     diffs = [
         f"{name} {getattr(existing, name)!r} (run) vs {getattr(mine, name)!r} (this node)"
-        for name in ("min_nodes", "max_nodes", "nproc", "fingerprint")
+        for name in ("min_nodes", "max_nodes", "min_workers", "max_workers", "fingerprint")
         if getattr(existing, name) != getattr(mine, name)
     ]
     return "; ".join(diffs) or None
@@ -147,15 +151,22 @@ class Joiner:
     port: int
     nproc: int
     join_revision: int = 0
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def label(self, key: str) -> str:
+        return dict(self.labels).get(key, "")
 
     def to_json(self) -> bytes:
         data = asdict(self)
         data.pop("join_revision")
+        data["labels"] = dict(self.labels)
         return json.dumps(data, sort_keys=True).encode()
 
     @staticmethod
     def from_json(raw: bytes, join_revision: int) -> "Joiner":
-        return Joiner(**json.loads(raw), join_revision=join_revision)
+        data = json.loads(raw)
+        data["labels"] = tuple(sorted(data.get("labels", {}).items()))
+        return Joiner(**data, join_revision=join_revision)
 
 
 @dataclass(frozen=True)
@@ -165,6 +176,7 @@ class Member:
     nproc: int
     addr: str
     first_rank: int
+    labels: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -190,32 +202,67 @@ class Plan:
     def to_json(self) -> bytes:
         data = asdict(self)
         data["world_size"] = self.world_size
+        for member in data["members"]:
+            member["labels"] = dict(member["labels"])
         return json.dumps(data, sort_keys=True).encode()
 
     @staticmethod
     def from_json(raw: bytes) -> "Plan":
         data = json.loads(raw)
         data.pop("world_size", None)
-        data["members"] = tuple(Member(**m) for m in data["members"])
+        data["members"] = tuple(
+            Member(**{**m, "labels": tuple(sorted(m.get("labels", {}).items()))})
+            for m in data["members"])
         return Plan(**data)
 
     def describe(self) -> str:
+        def name(m: Member) -> str:
+            tags = ",".join(f"{k}={v}" for k, v in m.labels)
+            return f"{m.node_id}({tags})" if tags else m.node_id
         blocks = ", ".join(
-            f"{m.node_id}=ranks {m.first_rank}..{m.first_rank + m.nproc - 1}" for m in self.members
+            f"{name(m)}=ranks {m.first_rank}..{m.first_rank + m.nproc - 1}" for m in self.members
         )
         return (f"round {self.round}: world size {self.world_size} on {len(self.members)} "
                 f"node(s) [{blocks}], master {self.master_addr}:{self.master_port}")
 
 
 # ---- decisions ------------------------------------------------------------------
-def rank_order(previous: tuple[str, ...], joiners: list[Joiner]) -> list[Joiner]:
-    """Survivors keep their relative order; newcomers follow by join revision."""
+# Labels that group nodes into contiguous rank blocks, outermost first.
+GROUP_KEYS = ("zone", "rack")
+
+
+def rank_order(previous: tuple[str, ...], joiners: list[Joiner],
+               prefer: tuple[str, str] | None = None) -> list[Joiner]:
+    """Stable order, then grouped by zone and rack, rank 0 on a preferred node.
+
+    Survivors keep their relative order and newcomers follow by join revision;
+    grouping then pulls each zone (and each rack inside it) into one contiguous
+    block, in the order its first node appears, so a newcomer lands inside its
+    zone's block and survivors keep their order wherever the grouping allows.
+    If a node matches `prefer` (key, value), it goes first (and its zone and
+    rack with it): rank 0 writes checkpoints and hosts the store, so it belongs
+    on the steadiest node.
+    """
     position = {node_id: index for index, node_id in enumerate(previous)}
     survivors = sorted((j for j in joiners if j.node_id in position),
                        key=lambda j: position[j.node_id])
     newcomers = sorted((j for j in joiners if j.node_id not in position),
                        key=lambda j: (j.join_revision, j.node_id))
-    return survivors + newcomers
+    base = survivors + newcomers
+    if prefer is not None:
+        preferred = next((j for j in base if j.label(prefer[0]) == prefer[1]), None)
+        if preferred is not None:
+            base = [preferred] + [j for j in base if j is not preferred]
+    return _group(base, 0)
+
+
+def _group(nodes: list[Joiner], depth: int) -> list[Joiner]:
+    if depth == len(GROUP_KEYS):
+        return nodes
+    buckets: dict[str, list[Joiner]] = {}
+    for node in nodes:
+        buckets.setdefault(node.label(GROUP_KEYS[depth]), []).append(node)
+    return [node for bucket in buckets.values() for node in _group(bucket, depth + 1)]
 
 
 @dataclass(frozen=True)
@@ -229,12 +276,16 @@ class CloseInputs:
     # Live members of the previous plan have not joined yet but may still be
     # checkpointing for this resize (within the drain timeout): wait for them.
     members_draining: bool = False
+    workers: int = 0
+    min_workers: int = 0
+    max_workers: int = 0
 
 
 def may_close(inputs: CloseInputs) -> bool:
-    if inputs.joined < inputs.min_nodes:
+    if inputs.joined < inputs.min_nodes or inputs.workers < inputs.min_workers:
         return False
-    if inputs.joined >= inputs.max_nodes:
+    if inputs.joined >= inputs.max_nodes or (inputs.max_workers and
+                                             inputs.workers >= inputs.max_workers):
         return True
     if inputs.all_live_joined and not inputs.first_round:
         return True
@@ -246,15 +297,33 @@ def counts_as_restart(failed: bool, previous: tuple[str, ...], members: tuple[st
 
 
 def build_plan(number: int, ordered: list[Joiner], max_nodes: int, restart_count: int,
-               cause: str) -> Plan:
-    """Take the first max_nodes joiners; node ranks contiguous, global ranks by blocks."""
-    chosen = ordered[:max_nodes]
+               cause: str, max_workers: int = 0) -> Plan:
+    """Take joiners in order up to max_nodes (and max_workers, skipping nodes that
+    would overshoot it); node ranks contiguous, global ranks in per-node blocks."""
+    chosen: list[Joiner] = []
+    for joiner in ordered:
+        total = sum(j.nproc for j in chosen) + joiner.nproc
+        if len(chosen) < max_nodes and (not max_workers or total <= max_workers):
+            chosen.append(joiner)
     members, first_rank = [], 0
     for node_rank, joiner in enumerate(chosen):
-        members.append(Member(joiner.node_id, node_rank, joiner.nproc, joiner.addr, first_rank))
+        members.append(Member(joiner.node_id, node_rank, joiner.nproc, joiner.addr, first_rank,
+                              joiner.labels))
         first_rank += joiner.nproc
     host = chosen[0]
     return Plan(number, tuple(members), host.addr, host.port, restart_count, cause)
+
+
+def plan_problem(plan: Plan) -> str | None:
+    """Why workers must not start on this plan (None when it is sound)."""
+    if not plan.members:
+        return "the plan has no members"
+    ranks = [r for m in plan.members for r in range(m.first_rank, m.first_rank + m.nproc)]
+    if sorted(ranks) != list(range(plan.world_size)):
+        return f"global ranks {sorted(ranks)} are not exactly 0..{plan.world_size - 1}"
+    if [m.node_rank for m in plan.members] != list(range(len(plan.members))):
+        return "node ranks are not contiguous from 0"
+    return None
 
 
 @dataclass(frozen=True)

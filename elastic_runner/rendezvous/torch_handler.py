@@ -239,7 +239,7 @@ def rendezvous_config(params: RendezvousParameters) -> RendezvousConfig:
         lease_ttl_s=max(int(_number(params, "lease_ttl", 5)), 1),
         join_timeout_s=join_timeout, settle_s=_number(params, "settle", 2.0),
         node_addr=params.local_addr or params.get("local_addr") or socket.getfqdn(),
-        master_port=port or None,
+        master_port=port or None, nproc=max(int(_number(params, "nproc", 1)), 1),
     )
 
 
@@ -249,8 +249,7 @@ def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
     if unknown:
         log.warning("ignoring unknown --rdzv-conf keys for %s: %s", BACKEND, ", ".join(unknown))
     rdzv = rendezvous_config(params)
-    spec = p.JobSpec(params.min_nodes, params.max_nodes, int(_number(params, "nproc", 0)),
-                     FINGERPRINT)
+    spec = p.JobSpec(params.min_nodes, params.max_nodes, FINGERPRINT)
     store_timeout = timedelta(seconds=_number(params, "store_timeout", 300.0))
     with torch_errors():
         client = EtcdClient(etcd_config(params))

@@ -60,7 +60,8 @@ class Job:
                  **{"--" + name.replace("_", "-"): value for name, value in overrides.items()}}
         argv = [sys.executable, "-m", "elastic_runner"]
         for flag, value in flags.items():
-            argv += [flag, str(value)]
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                argv += [flag, str(item)]
         output = ("--out", str(self.steps_file)) if self.script == PROBE else ()
         return [*argv, *self.extra_flags, str(self.script), *output, *self.script_args]
 

@@ -134,10 +134,10 @@ CASES = [
                                          "--etcd-timeout", "1", c.script],
                  4, ["{endpoint}"], id="not-etcd"),
     pytest.param(running_agent, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
-                                           "--run-id", "same", "--nproc-per-node", "2",
-                                           "--min-nodes", "1", "--max-nodes", "2",
+                                           "--run-id", "same", "--nproc-per-node", "1",
+                                           "--min-nodes", "1", "--max-nodes", "3",
                                            "--node-id", "agent2", c.values["sleeper"]],
-                 5, ["different job", "nproc"], id="spec-mismatch"),
+                 5, ["different job", "max_nodes 2 (run) vs 3"], id="spec-mismatch"),
 ]
 
 # The unreachable-etcd case must give up well within this bound, not hang.

@@ -242,7 +242,7 @@ def test_round_state_json_round_trip(state):
 
 
 def test_job_spec_json_round_trip():
-    spec = p.JobSpec(1, 4, 2, "abcdef0123456789")
+    spec = p.JobSpec(1, 4, "abcdef0123456789", 2, 8)
     assert p.JobSpec.from_json(spec.to_json()) == spec
 
 
@@ -256,21 +256,21 @@ def test_joiner_json_round_trip_revision_from_store():
 
 # ---- spec_conflict --------------------------------------------------------------
 def test_spec_conflict_none_when_equal():
-    assert p.spec_conflict(p.JobSpec(1, 2, 1, "f"), p.JobSpec(1, 2, 1, "f")) is None
+    assert p.spec_conflict(p.JobSpec(1, 2, "f"), p.JobSpec(1, 2, "f")) is None
 
 
 @pytest.mark.parametrize("mine, fields", [
-    (p.JobSpec(2, 2, 1, "f"), {"min_nodes"}),
-    (p.JobSpec(1, 3, 1, "f"), {"max_nodes"}),
-    (p.JobSpec(1, 2, 2, "f"), {"nproc"}),
-    (p.JobSpec(1, 2, 1, "g"), {"fingerprint"}),
-    (p.JobSpec(2, 3, 4, "g"), {"min_nodes", "max_nodes", "nproc", "fingerprint"}),
+    (p.JobSpec(2, 2, "f"), {"min_nodes"}),
+    (p.JobSpec(1, 3, "f"), {"max_nodes"}),
+    (p.JobSpec(1, 2, "f", max_workers=8), {"max_workers"}),
+    (p.JobSpec(1, 2, "g"), {"fingerprint"}),
+    (p.JobSpec(2, 3, "g", 4), {"min_nodes", "max_nodes", "min_workers", "fingerprint"}),
 ])
 def test_spec_conflict_names_differing_fields(mine, fields):
-    existing = p.JobSpec(1, 2, 1, "f")
+    existing = p.JobSpec(1, 2, "f")
     text = p.spec_conflict(existing, mine)
     assert text is not None
-    for name in ("min_nodes", "max_nodes", "nproc", "fingerprint"):
+    for name in ("min_nodes", "max_nodes", "min_workers", "max_workers", "fingerprint"):
         assert (name in text) is (name in fields), (name, text)
     if "nproc" in fields:
         assert "1" in text and str(mine.nproc) in text
