@@ -29,7 +29,7 @@ from elastic_runner.errors import (
 )
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.events import EVENTS_FILE, EventLog
-from elastic_runner.rendezvous.handler import EtcdRendezvous, failure_message
+from elastic_runner.rendezvous.handler import EtcdRendezvous, describe_exit, failure_message
 from elastic_runner.rendezvous.protocol import FINISHED, JobSpec, Plan, plan_problem
 from elastic_runner.workers import EXIT_FOR_RESIZE, WorkerExit, WorkerGroup
 
@@ -177,6 +177,8 @@ class Agent:
         problem = plan_problem(plan)
         if problem:
             raise RendezvousError(f"refusing to start workers on round {plan.round}: {problem}")
+        for stale in self.progress_dir.glob("rank*.json"):
+            stale.unlink(missing_ok=True)  # last round's progress must not look hung
         self._notice_path.unlink(missing_ok=True)
         self.events.emit("round_closed", round=plan.round, world_size=plan.world_size,
                          master=f"{plan.master_addr}:{plan.master_port}", cause=plan.cause,
@@ -209,7 +211,7 @@ class Agent:
                 return Outcome(SHUTDOWN)
             if group.all_succeeded():
                 return Outcome(SUCCEEDED)
-            failure = group.first_failure()
+            failure = group.first_failure() or self._hung_worker(group)
             if failure is not None:
                 return Outcome(FAILED, failure=failure)
             if group.stopped_for_resize():
@@ -219,6 +221,10 @@ class Agent:
                 return Outcome(CHANGED, reason)
             self._relay_notices(plan)
             mirror.wait(self._config.workers.monitor_interval_s, generation)
+
+    def _hung_worker(self, group: WorkerGroup) -> WorkerExit | None:
+        timeout = self._config.workers.worker_timeout_s
+        return group.stalled(self.progress_dir, timeout) if timeout else None
 
     def _check_etcd_grace(self) -> None:
         """Workers train on through a short etcd outage; past the grace, stop them.
@@ -235,9 +241,7 @@ class Agent:
         record = failure.as_failure(self._rdzv_config.node_id)
         self.events.emit("worker_exited", round=plan.round, rank=failure.rank,
                          exit_code=failure.exit_code, signal=failure.signal_name)
-        log.warning("worker rank %d %s; restarting the round",
-                    failure.rank, f"killed by {failure.signal_name}" if failure.signal_name
-                    else f"exited with code {failure.exit_code}")
+        log.warning("worker rank %d %s; restarting the round", failure.rank, describe_exit(record))
         seen = self.rendezvous.current_round()
         if seen is not None and seen.state.state == FINISHED:
             # The others already finished: nothing to restart, this node just failed.

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("workers")
     run.add_argument("--max-restarts", type=int, default=3,
                      help="job-wide worker failures tolerated; membership changes don't count")
+    run.add_argument("--worker-timeout", type=float,
+                     help="restart the round when a worker's er.report() progress is older "
+                          "than this many seconds (a hung collective); default off")
     run.add_argument("--stop-grace", type=float, default=5.0,
                      help="seconds between SIGTERM and SIGKILL when stopping workers")
     run.add_argument("--monitor-interval", type=float, default=0.1,
@@ -283,7 +286,8 @@ def build_config(args, environ: dict[str, str], gpu_count: int) -> AgentConfig:
         raise ConfigError(f"--max-workers {args.max_workers} is below --min-workers or this "
                           f"node's {nproc} worker(s); raise --max-workers")
     workers = WorkerConfig(argv, nproc, fingerprint, args.stop_grace, args.monitor_interval,
-                           Path(args.log_dir) if args.log_dir else None, gpu_count)
+                           Path(args.log_dir) if args.log_dir else None, gpu_count,
+                           worker_timeout_s=args.worker_timeout)
     verbosity = 0 if args.quiet else 1 + args.verbose
     return AgentConfig(rendezvous, etcd, workers, args.max_restarts, verbosity,
                        args.notice_deadline, Path(args.notice_file) if args.notice_file else None,

@@ -72,6 +72,8 @@ class WorkerConfig:
     log_dir: Path | None = None
     gpu_count: int = 0
     extra_env: tuple[tuple[str, str], ...] = ()
+    # A worker whose er.report() progress is older than this is hung (None: off).
+    worker_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -98,12 +98,23 @@ def init(backend: str | None = None, timeout_s: float = 60.0) -> Context:
         torch.cuda.set_device(index)
         device = f"cuda:{index}"
     context = context_from_env(environ, backend, device)
-    if context.world_size > 1 or "MASTER_ADDR" in environ:
+    if dist.is_initialized():
+        _warn_on_hand_typed_ranks(dist.get_rank(), dist.get_world_size(), context)
+    elif context.world_size > 1 or "MASTER_ADDR" in environ:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     _active[:] = [context]
     log.info("rank %d/%d (local %d) on %s, round %d, restarts %d", context.rank,
              context.world_size, context.local_rank, device, context.round, context.restart_count)
     return context
+
+
+def _warn_on_hand_typed_ranks(rank: int, world_size: int, context: Context) -> None:
+    """The script built its own process group: say so when it disagrees with the plan."""
+    if (rank, world_size) != (context.rank, context.world_size):
+        log.warning("the process group was initialised by hand as rank %d of %d, but the "
+                    "launcher assigned rank %d of %d: drop the hand-typed rank/world_size and "
+                    "call er.init() (or init_process_group() with no rank)", rank, world_size,
+                    context.rank, context.world_size)
 
 
 def finish() -> None:

@@ -61,6 +61,7 @@ class WorkerExit:
     at: float
     stderr_tail: list[str]
     log_file: str | None
+    stalled_s: float | None = None  # set when it hung instead of exiting
 
     @property
     def signal_name(self) -> str | None:
@@ -74,7 +75,8 @@ class WorkerExit:
     def as_failure(self, node_id: str) -> dict:
         return {"node_id": node_id, "rank": self.rank, "local_rank": self.local_rank,
                 "exit_code": self.exit_code, "signal": self.signal_name,
-                "stderr_tail": self.stderr_tail, "log_file": self.log_file}
+                "stderr_tail": self.stderr_tail, "log_file": self.log_file,
+                "stalled_s": self.stalled_s}
 
 
 class _Worker:
@@ -154,6 +156,27 @@ class WorkerGroup:
         failed = [e for e in self.poll()
                   if e is not None and e.exit_code not in (0, EXIT_FOR_RESIZE)]
         return min(failed, key=lambda e: e.at) if failed else None
+
+    def stalled(self, progress_dir: Path, timeout_s: float) -> WorkerExit | None:
+        """A running worker whose er.report() progress is older than timeout_s.
+
+        Only workers that reported at least once are judged, so start-up (import
+        torch, process group) never counts; a deadlocked collective does.
+        """
+        now = time.time()
+        for worker in self._workers:
+            if worker.process.poll() is not None:
+                continue
+            try:
+                age = now - (progress_dir / f"rank{worker.ranks.rank}.json").stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if age > timeout_s:
+                return WorkerExit(worker.ranks.rank, worker.ranks.local_rank, -signal.SIGKILL,
+                                  time.monotonic(), list(worker.tail),
+                                  str(worker.log_path) if worker.log_path else None,
+                                  stalled_s=round(age, 1))
+        return None
 
     def stopped_for_resize(self) -> bool:
         return any(e is not None and e.exit_code == EXIT_FOR_RESIZE for e in self.poll())

@@ -291,10 +291,17 @@ class EtcdRendezvous:
         return None
 
 
+def describe_exit(failure: dict) -> str:
+    if failure.get("stalled_s"):
+        return f"made no progress for {failure['stalled_s']:g} s (--worker-timeout)"
+    if failure.get("signal"):
+        return f"was killed by signal {failure['signal']}"
+    return f"exited with code {failure.get('exit_code')}"
+
+
 def failure_message(failure: dict, max_restarts: int) -> str:
     """The one line (plus stderr tail) that ends a job which keeps failing."""
-    how = (f"was killed by signal {failure['signal']}" if failure.get("signal")
-           else f"exited with code {failure.get('exit_code')}")
+    how = describe_exit(failure)
     head = (f"worker global rank {failure.get('rank')} (local rank {failure.get('local_rank')}) "
             f"on node {failure.get('node_id')} {how}; giving up after --max-restarts "
             f"{max_restarts}")

@@ -98,3 +98,21 @@ def test_agent_killed_between_plan_and_start(job):
     job.kill("c")
     rows = job.wait_world(4, after=time.time(), timeout=60)
     assert {int(r["RANK"]) for r in rows} == set(range(4))
+
+
+def test_hung_worker_is_detected_and_the_round_restarted(job, tmp_path):
+    from pathlib import Path
+
+    from tests.e2e.harness import read_jsonl
+
+    out = tmp_path / "hang.jsonl"
+    job.nproc = 1
+    job.script = Path(__file__).resolve().parents[1] / "helpers" / "hang_worker.py"
+    job.script_args = ("--out", str(out))
+    job.start("a", "b", worker_timeout=3, max_restarts=2)
+    assert job.wait_exit("a", timeout=120) == 0 and job.wait_exit("b", timeout=30) == 0
+    rows = read_jsonl(out)
+    assert max(r["step"] for r in rows if r["restart"] == 0) < 10
+    assert {r["step"] for r in rows if r["restart"] == 1} == set(range(30))
+    logs = job.agent_log("a") + job.agent_log("b")
+    assert "made no progress for" in logs

