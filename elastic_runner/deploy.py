@@ -45,28 +45,20 @@ HANDLED = {"help", "min_nodes", "max_nodes", "nnodes", "nproc_per_node", "rdzv_e
 
 @dataclass(frozen=True)
 class DeploySpec:
-    """Everything a renderer needs, validated once."""
+    """Everything a renderer needs, validated once; `args` holds the deploy group's flags."""
 
     kind: str
-    command: str            # the deploy command line, recorded in each file's header
-    name: str
+    command: str  # the deploy command line, recorded in each file's header
+    args: argparse.Namespace
     image: str
-    etcd_image: str
-    namespace: str | None
     replicas: int
-    gpus: int
-    cpus: str | None
-    memory: str | None
     min_nodes: int
     max_nodes: int
-    nproc: str
-    run_id: str | None      # None: slurm uses $SLURM_JOB_ID
+    run_id: str | None  # None: slurm uses $SLURM_JOB_ID
     endpoints: tuple[str, ...]
     grace_s: int
     passthrough: tuple[str, ...]
     entry: tuple[str, ...]
-    partition: str | None
-    time: str | None
 
 
 # ---- argument parsing ---------------------------------------------------------------
@@ -118,7 +110,7 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
-def passthrough_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+def passthrough_flags(args: argparse.Namespace) -> list[str]:
     """Launcher flags that differ from their defaults, in canonical long spelling."""
     flags: list[str] = []
     for action in build_parser()._actions:
@@ -178,19 +170,18 @@ def parse_spec(argv: list[str]) -> tuple[DeploySpec, argparse.Namespace]:
     endpoints = tuple(e.strip() for e in (args.rdzv_endpoints or "").split(",") if e.strip())
     run_id = args.run_id or (default_run_id(args) if kind == "kubernetes" else None)
     spec = DeploySpec(
-        kind, recorded_command(kind, rest, args), args.name, args.image or "elastic-runner:cpu",
-        args.etcd_image, args.namespace,
-        max_nodes if args.replicas is None else args.replicas, args.gpus_per_node,
-        args.cpus, args.memory, min_nodes, max_nodes, args.nproc_per_node, run_id, endpoints,
-        grace_period(args.notice_deadline, args.stop_grace, args.etcd_timeout),
-        tuple(passthrough_flags(parser, args)),
-        (*(("--module",) if args.module else ()), args.entrypoint, *args.args),
-        args.partition, args.time)
+        kind, recorded_command(kind, rest, args), args, args.image or "elastic-runner:cpu",
+        max_nodes if args.replicas is None else args.replicas, min_nodes, max_nodes, run_id,
+        endpoints, grace_period(args.notice_deadline, args.stop_grace, args.etcd_timeout),
+        tuple(passthrough_flags(args)),
+        (*(("--module",) if args.module else ()), args.entrypoint, *args.args))
     return spec, args
 
 
 # ---- a tiny YAML emitter (block style; strings quoted unless plainly safe) ----------
-_PLAIN = re.compile(r"^(?:[A-Za-z/$]|-[-A-Za-z])[A-Za-z0-9_./:$()=,@-]*$")
+# Plain only when unambiguous: no leading digit/indicator, no trailing ":" (fullmatch: no "\n").
+_PLAIN = re.compile(r"(?:[A-Za-z/$]|-[-A-Za-z])(?:[A-Za-z0-9_./:$()=,@-]*[A-Za-z0-9_./$()=,@-])?")
+_PAIR = re.compile(r"\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
 _RESERVED = {"true", "false", "yes", "no", "on", "off", "y", "n", "null"}
 
 
@@ -200,9 +191,12 @@ def yaml_scalar(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     text = str(value)
-    if _PLAIN.match(text) and text.lower() not in _RESERVED:
+    if _PLAIN.fullmatch(text) and text.lower() not in _RESERVED:
         return text
-    return json.dumps(text)  # a JSON string is a valid YAML double-quoted scalar
+    # An ASCII JSON string is a YAML double-quoted scalar, except that YAML wants
+    # characters beyond the BMP as \UXXXXXXXX, not as a UTF-16 surrogate pair.
+    return _PAIR.sub(lambda m: "\\U%08x" % (0x10000 + ((int(m[1], 16) - 0xD800) << 10)
+                                            + int(m[2], 16) - 0xDC00), json.dumps(text))
 
 
 def yaml_lines(value: Any, indent: int = 0) -> list[str]:
@@ -241,8 +235,8 @@ def dump_documents(objects: list[dict], header: str) -> str:
 def metadata(spec: DeploySpec, name: str, app: str) -> dict:
     meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": app,
                                                      "app.kubernetes.io/part-of": "elastic-runner"}}
-    if spec.namespace:
-        meta["namespace"] = spec.namespace
+    if spec.args.namespace:
+        meta["namespace"] = spec.args.namespace
     return meta
 
 
@@ -266,7 +260,7 @@ def etcd_objects(spec: DeploySpec) -> list[dict]:
            "spec": {"minAvailable": ETCD_MEMBERS // 2 + 1, "selector": {"matchLabels": selector}}}
     cluster = ",".join(f"etcd-{i}=http://etcd-{i}.etcd:2380" for i in range(ETCD_MEMBERS))
     container = {
-        "name": "etcd", "image": spec.etcd_image, "command": ["/usr/local/bin/etcd"],
+        "name": "etcd", "image": spec.args.etcd_image, "command": ["/usr/local/bin/etcd"],
         "args": ["--name=$(POD_NAME)", "--data-dir=/var/run/etcd/data",
                  "--listen-client-urls=http://0.0.0.0:2379", "--listen-peer-urls=http://0.0.0.0:2380",
                  "--advertise-client-urls=http://$(POD_NAME).etcd:2379",
@@ -295,7 +289,7 @@ def etcd_objects(spec: DeploySpec) -> list[dict]:
 
 def launcher_args(spec: DeploySpec, endpoints: str, run_id: str, per_node: list[str]) -> list[str]:
     return ["--min-nodes", str(spec.min_nodes), "--max-nodes", str(spec.max_nodes),
-            "--nproc-per-node", spec.nproc if spec.kind == "slurm" else "$(NPROC_PER_NODE)",
+            "--nproc-per-node", spec.args.nproc_per_node if spec.kind == "slurm" else "$(NPROC_PER_NODE)",
             "--rdzv-endpoints", endpoints, "--run-id", run_id, *per_node,
             *spec.passthrough, *spec.entry]
 
@@ -303,12 +297,12 @@ def launcher_args(spec: DeploySpec, endpoints: str, run_id: str, per_node: list[
 def train_resources(spec: DeploySpec) -> dict:
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
-    if spec.cpus:
-        requests["cpu"] = spec.cpus
-    if spec.memory:
-        requests["memory"] = limits["memory"] = spec.memory
-    if spec.gpus:
-        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = spec.gpus
+    if spec.args.cpus:
+        requests["cpu"] = spec.args.cpus
+    if spec.args.memory:
+        requests["memory"] = limits["memory"] = spec.args.memory
+    if spec.args.gpus_per_node:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = spec.args.gpus_per_node
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
 
@@ -318,11 +312,11 @@ def train_deployment(spec: DeploySpec) -> dict:
     per_node = ["--node-id", "$(POD_NAME)", "--master-addr", "$(POD_IP)"]
     container: dict[str, Any] = {
         "name": "elastic-run", "image": spec.image, "command": ["elastic-run"],
-        "args": launcher_args(spec, endpoints, spec.run_id or spec.name, per_node),
+        "args": launcher_args(spec, endpoints, spec.run_id or spec.args.name, per_node),
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 # An env var, so an overlay can change it with a strategic-merge patch.
-                {"name": "NPROC_PER_NODE", "value": spec.nproc},
+                {"name": "NPROC_PER_NODE", "value": spec.args.nproc_per_node},
                 {"name": "PYTHONUNBUFFERED", "value": "1"}],
         "resources": train_resources(spec),
         # torch workers share tensors through /dev/shm; the container default is 64 MiB.
@@ -332,11 +326,11 @@ def train_deployment(spec: DeploySpec) -> dict:
         # SIGTERM -> notice deadline -> worker stop grace -> lease revoke, then SIGKILL.
         "terminationGracePeriodSeconds": spec.grace_s, "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}
-    if spec.gpus:
+    if spec.args.gpus_per_node:
         pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    selector = {"app.kubernetes.io/name": spec.name}
+    selector = {"app.kubernetes.io/name": spec.args.name}
     return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": metadata(spec, spec.name, spec.name),
+            "metadata": metadata(spec, spec.args.name, spec.args.name),
             # Recreate: a rolling update would mix two job specs in one run id.
             "spec": {"replicas": spec.replicas, "strategy": {"type": "Recreate"},
                      "selector": {"matchLabels": selector},
@@ -366,13 +360,13 @@ def kubernetes_stream(spec: DeploySpec) -> str:
 
 # ---- slurm --------------------------------------------------------------------------
 def slurm_script(spec: DeploySpec) -> str:
-    directives = [f"--job-name={spec.name}", f"--nodes={spec.replicas}", "--ntasks-per-node=1",
+    directives = [f"--job-name={spec.args.name}", f"--nodes={spec.replicas}", "--ntasks-per-node=1",
                   "--exclusive", "--no-kill", "--requeue",
                   f"--signal=B:TERM@{max(SLURM_MIN_SIGNAL_S, spec.grace_s)}",
-                  f"--output={spec.name}-%j.out", "--open-mode=append"]
-    directives += [f"--gpus-per-node={spec.gpus}"] if spec.gpus else []
-    directives += [f"--partition={spec.partition}"] if spec.partition else []
-    directives += [f"--time={spec.time}"] if spec.time else []
+                  f"--output={spec.args.name}-%j.out", "--open-mode=append"]
+    directives += [f"--gpus-per-node={spec.args.gpus_per_node}"] if spec.args.gpus_per_node else []
+    directives += [f"--partition={spec.args.partition}"] if spec.args.partition else []
+    directives += [f"--time={spec.args.time}"] if spec.args.time else []
     core = [shlex.quote(a) for a in launcher_args(spec, "@E@", "@R@", [])[:10]]
     lines = [" ".join(core), shlex.join(spec.passthrough), shlex.join(spec.entry)]
     command = " \\\n    ".join(line for line in lines if line)
@@ -451,7 +445,7 @@ exit "$status"
 def render(spec: DeploySpec) -> dict[str, str]:
     """File name -> text; the dry run prints the same content as one stream."""
     if spec.kind == "slurm":
-        return {f"{spec.name}.sbatch": slurm_script(spec)}
+        return {f"{spec.args.name}.sbatch": slurm_script(spec)}
     return kubernetes_files(spec)
 
 

@@ -155,7 +155,7 @@ def _draw_world(ax, data: TimelineData) -> None:
     ax.set_ylim(0, top)
     ax.set_ylabel("world size")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
 
 
 def png_bytes(data: TimelineData, title: str) -> bytes:

@@ -189,8 +189,11 @@ def _when(t: float | None) -> str:
 
 
 def _event_text(event: dict) -> str:
-    skip = {"time", "run_id", "node", "kind"}
-    return " ".join(f"{k}={v}" for k, v in sorted(event.items()) if k not in skip)[:100]
+    skip = {"time", "run_id", "node", "kind", "master", "pids"}
+    fields = {k: v for k, v in sorted(event.items()) if k not in skip and v is not None}
+    if isinstance(fields.get("members"), list):
+        fields["members"] = ",".join(str(m.get("node")) for m in fields["members"])
+    return " ".join(f"{k}={v}" for k, v in fields.items())[:120]
 
 
 def render_status(console, status: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import queue
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def test_json_shows_members_round_and_events(job):
     assert done.returncode == 0, done.stderr
     view = json.loads(done.stdout)
     assert (view["run_id"], view["state"], view["world_size"]) == ("status-run", "closed", 1)
-    assert view["spec"]["nproc"] == 1
+    assert view["spec"]["min_nodes"] == 1
     [member] = view["members"]
     assert (member["node"], member["node_rank"], member["ranks"]) == ("a", 0, [0])
     assert member["live"] and member["lease_remaining_s"] > 0 and member["joined_at"]
@@ -93,5 +94,5 @@ def test_watch_rerenders_when_a_node_joins(job):
                 break
         assert [m["node"] for m in view["members"]] == ["a", "b"]
     finally:
-        watcher.send_signal(subprocess.signal.SIGINT)
+        watcher.send_signal(signal.SIGINT)
         assert watcher.wait(timeout=20) == 0
