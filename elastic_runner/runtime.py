@@ -18,6 +18,7 @@ import datetime
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -103,9 +104,26 @@ def init(backend: str | None = None, timeout_s: float = 60.0) -> Context:
     elif context.world_size > 1 or "MASTER_ADDR" in environ:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     _active[:] = [context]
+    _report_our_errors_in_one_line()
     log.info("rank %d/%d (local %d) on %s, round %d, restarts %d", context.rank,
              context.world_size, context.local_rank, device, context.round, context.restart_count)
     return context
+
+
+def _report_our_errors_in_one_line() -> None:
+    """An elastic-runner error in a worker (bad checkpoint dir, stale writer) is a
+    message for the user, not a traceback: print it as one line, exit 1."""
+    from elastic_runner.errors import ElasticRunError
+
+    previous = sys.excepthook
+
+    def hook(kind, error, trace):
+        if isinstance(error, ElasticRunError):
+            print(f"elastic-run worker: error: {error}", file=sys.stderr, flush=True)
+        else:
+            previous(kind, error, trace)
+
+    sys.excepthook = hook
 
 
 def _warn_on_hand_typed_ranks(rank: int, world_size: int, context: Context) -> None:

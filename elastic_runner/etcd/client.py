@@ -133,7 +133,7 @@ class EtcdClient:
                                 time_retry=0.5, opts=_CHANNEL_OPTIONS)
             )
         try:
-            return self._retrying(
+            client = self._retrying(
                 lambda: pyetcd.MultiEndpointEtcd3Client(
                     endpoints=endpoints,
                     timeout=self._config.timeout_s,
@@ -146,6 +146,11 @@ class EtcdClient:
             raise
         except Exception as exc:  # library raises bare Exception for half-given credentials
             raise EtcdError(f"cannot set up the etcd client for {self._endpoint_text}: {exc}") from exc
+        if not any(ep.secure for ep in endpoints):
+            # gRPC refuses call credentials on a plaintext channel; the auth token
+            # still travels as request metadata, which is what etcd reads.
+            client.call_credentials = None
+        return client
 
     def _credentials(self) -> grpc.ChannelCredentials:
         def read(path: str | None) -> bytes | None:
@@ -161,6 +166,16 @@ class EtcdClient:
             read(self._config.cacert), read(self._config.key), read(self._config.cert)
         )
 
+    def _reauthenticate(self) -> None:
+        """etcd's simple auth tokens expire (5 min by default): log in again."""
+        log.debug("etcd auth token expired; authenticating again")
+        with self._lock:
+            stale, self._client = self._client, self._connect()
+        try:
+            stale.close()
+        except Exception:  # the old channel may already be broken
+            log.debug("closing the stale client failed", exc_info=True)
+
     def close(self) -> None:
         try:
             self._client.close()
@@ -170,7 +185,9 @@ class EtcdClient:
     # ---- error handling ---------------------------------------------------------
     def _translate(self, exc: BaseException, what: str) -> EtcdError:
         code = exc.code() if isinstance(exc, grpc.RpcError) else None
-        if code == grpc.StatusCode.UNAUTHENTICATED or code == grpc.StatusCode.PERMISSION_DENIED:
+        details = exc.details() if isinstance(exc, grpc.RpcError) else ""
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or \
+                "authentication failed" in (details or ""):
             return EtcdAuthError(
                 f"etcd at {self._endpoint_text} refused {what}: {exc.details()} "
                 "(check --etcd-user and the password file)"
@@ -199,6 +216,9 @@ class EtcdClient:
                     try:
                         return call()
                     except (grpc.RpcError, etcd_exc.Etcd3Exception) as exc:
+                        if _token_expired(exc) and self._config.user:
+                            self._reauthenticate()
+                            raise _Transient(exc) from exc
                         if _is_transient(exc):
                             raise _Transient(exc) from exc
                         raise self._translate(exc, what) from exc
@@ -282,7 +302,7 @@ class EtcdClient:
     # ---- watches ----------------------------------------------------------------
     def watch_prefix(self, prefix: str, start_revision: int,
                      on_events: Callable[[list[WatchEvent]], None]) -> "PrefixWatch":
-        watch = PrefixWatch(self._client, prefix, start_revision, on_events)
+        watch = PrefixWatch(lambda: self._client, prefix, start_revision, on_events)
         watch.start()
         return watch
 
@@ -298,6 +318,11 @@ def _is_transient(exc: BaseException) -> bool:
         return exc.code() in _TRANSIENT_CODES
     return isinstance(exc, (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
                             etcd_exc.NoServerAvailableError))
+
+
+def _token_expired(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAUTHENTICATED \
+        and "token" in (exc.details() or "")
 
 
 def _to_kv(kv) -> KeyValue:
@@ -344,7 +369,9 @@ class PrefixWatch:
     from the last delivered revision + 1, so no event is lost or delivered twice.
     """
 
-    client: pyetcd.MultiEndpointEtcd3Client
+    # A getter, not the client: after a re-authentication the facade holds a
+    # new client, and a re-created watch must use it.
+    current_client: Callable[[], pyetcd.MultiEndpointEtcd3Client]
     prefix: str
     next_revision: int
     on_events: Callable[[list[WatchEvent]], None]
@@ -352,6 +379,7 @@ class PrefixWatch:
     _broken: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _watch_id: int | None = None
+    _watch_client: pyetcd.MultiEndpointEtcd3Client | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"watch {self.prefix}", daemon=True)
@@ -362,7 +390,7 @@ class PrefixWatch:
         self._broken.set()
         if self._watch_id is not None:
             try:
-                self.client.cancel_watch(self._watch_id)
+                self._watch_client.cancel_watch(self._watch_id)
             except Exception:  # the stream may already be gone
                 log.debug("watch cancel failed", exc_info=True)
 
@@ -371,7 +399,8 @@ class PrefixWatch:
         while not self._stopped.is_set():
             self._broken.clear()
             try:
-                self._watch_id = self.client.add_watch_prefix_callback(
+                self._watch_client = self.current_client()
+                self._watch_id = self._watch_client.add_watch_prefix_callback(
                     self.prefix, self._deliver, start_revision=self.next_revision
                 )
                 backoff = 0.05

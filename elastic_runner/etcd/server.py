@@ -12,6 +12,7 @@ import importlib.util
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -69,6 +70,9 @@ class EmbeddedEtcd:
     name: str = "default"
     initial_cluster: str | None = None
     extra_args: tuple[str, ...] = ()
+    # {"ca", "server_cert", "server_key"}: serve clients over TLS and require
+    # client certificates signed by that CA.
+    tls_files: dict | None = None
     startup_deadline_s: float = 20.0
     process: subprocess.Popen | None = field(default=None, repr=False)
     _owns_data_dir: bool = False
@@ -84,7 +88,8 @@ class EmbeddedEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        scheme = "https" if self.tls_files else "http"
+        return f"{scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -99,8 +104,15 @@ class EmbeddedEtcd:
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
             # Fast elections keep a restarted or single member healthy in ~0.1 s.
             "--heartbeat-interval", "10", "--election-timeout", "100",
-            *self.extra_args,
+            *self._tls_args(), *self.extra_args,
         ]
+
+    def _tls_args(self) -> list[str]:
+        if not self.tls_files:
+            return []
+        return ["--cert-file", str(self.tls_files["server_cert"]),
+                "--key-file", str(self.tls_files["server_key"]),
+                "--trusted-ca-file", str(self.tls_files["ca"]), "--client-cert-auth"]
 
     def start(self, wait: bool = True) -> "EmbeddedEtcd":
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -137,8 +149,14 @@ class EmbeddedEtcd:
         )
 
     def healthy(self) -> bool:
+        context = None
+        if self.tls_files:
+            context = ssl.create_default_context(cafile=str(self.tls_files["ca"]))
+            context.load_cert_chain(str(self.tls_files["server_cert"]),
+                                    str(self.tls_files["server_key"]))
         try:
-            with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1.0) as response:
+            with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1.0,
+                                        context=context) as response:
                 return b'"true"' in response.read()
         except OSError:
             return False

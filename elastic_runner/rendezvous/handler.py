@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from elastic_runner.config import OLDER_SCHEMA_PREFIXES, RendezvousConfig
 from elastic_runner.errors import (
-    RendezvousTimeout, RunFinished, SchemaMismatch, ShutdownRequested, SpecMismatch,
+    EtcdAuthError, RendezvousTimeout, RunFinished, SchemaMismatch, ShutdownRequested, SpecMismatch,
     WorkerFailure,
 )
 from elastic_runner.etcd.client import EtcdClient, Put, key_missing, mod_revision_is
@@ -61,7 +61,7 @@ class EtcdRendezvous:
 
     def _check_spec(self) -> None:
         for older in OLDER_SCHEMA_PREFIXES:
-            if self._client.count_prefix(f"{older}/{self._config.run_id}/"):
+            if self._count_readable(f"{older}/{self._config.run_id}/"):
                 raise SchemaMismatch(
                     f"run {self._config.run_id!r} has keys under {older}/ written by an older "
                     "elastic-runner; finish it with that version, or pass a new --run-id")
@@ -75,6 +75,13 @@ class EtcdRendezvous:
                 f"run {self._config.run_id!r} already runs a different job ({conflict}); "
                 "start this node with the same flags and script, or pass a new --run-id"
             )
+
+    def _count_readable(self, prefix: str) -> int:
+        """Keys under prefix; 0 where an etcd role limited to this run may not look."""
+        try:
+            return self._client.count_prefix(prefix)
+        except EtcdAuthError:
+            return 0
 
     def _take_lease(self) -> None:
         self.lease = KeptLease(self._client, self._config.lease_ttl_s, on_lost=self.mirror.wake)

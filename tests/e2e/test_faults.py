@@ -116,3 +116,62 @@ def test_hung_worker_is_detected_and_the_round_restarted(job, tmp_path):
     assert {r["step"] for r in rows if r["restart"] == 1} == set(range(30))
     logs = job.agent_log("a") + job.agent_log("b")
     assert "made no progress for" in logs
+
+
+def test_two_runs_on_one_etcd_never_interfere(etcd, tmp_path):
+    from tests.e2e.harness import Job
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = Job(etcd.endpoint, tmp_path / "one", run_id="one")
+    two = Job(etcd.endpoint, tmp_path / "two", run_id="two", nproc=1)
+    try:
+        one.start("a", "b")
+        two.start("a", "b", "c")            # same node ids, other run
+        rows_one, rows_two = one.wait_world(4), two.wait_world(3)
+        assert {int(r["RANK"]) for r in rows_one} == set(range(4))
+        assert {int(r["RANK"]) for r in rows_two} == set(range(3))
+        assert {r["TORCHELASTIC_RUN_ID"] for r in one.steps()} == {"one"}
+        assert {r["TORCHELASTIC_RUN_ID"] for r in two.steps()} == {"two"}
+    finally:
+        one.stop_all()
+        two.stop_all()
+
+
+def test_extra_nodes_wait_as_standbys_and_fill_a_gap(job):
+    job.nproc, job.max_nodes = 1, 2
+    job.start("a", "b")
+    job.wait_world(2)
+    job.start("standby")
+    time.sleep(job.settle + 2)
+    assert job.agents["standby"].poll() is None        # waiting, not crashed
+    assert "standby" in job.node_keys()                 # registered and alive...
+    assert "standby=ranks" not in job.agent_log("standby")  # ...but in no plan yet
+    killed_at = time.time()
+    job.kill("b")
+    job.wait_world(2, after=killed_at, timeout=60)
+    plan = [l for l in job.agent_log("standby").splitlines() if "world size 2" in l]
+    assert plan and "standby=ranks" in plan[-1]
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(job, tmp_path):
+    from tests.e2e.harness import MLP
+
+    ckpt = tmp_path / "ckpt"
+    job.script, job.nproc = MLP, 1
+    job.script_args = ("--samples", "640", "--global-batch", "16", "--checkpoint-dir",
+                       str(ckpt), "--every", "10", "--steps", "30")
+    job.start("first")
+    assert job.wait_exit("first", timeout=90) == 0
+    newest = sorted(ckpt.glob("step-*"))[-1]
+    state = newest / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    job.script_args = job.script_args[:-1] + ("40",)
+    job.start("second", run_id="again")
+    assert job.wait_exit("second", timeout=90) == 0
+    log = job.agent_log("second")
+    assert "resuming after step 20" in log
+    assert log.count(newest.name) == 1 and "sha256" in log  # one line names it and why
+    assert newest.exists()                                   # kept for inspection

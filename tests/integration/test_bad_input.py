@@ -113,6 +113,28 @@ def running_agent(ctx: Context) -> None:
     ctx.values.update(endpoint=endpoint, sleeper=str(sleeper))
 
 
+def old_schema_run(ctx: Context) -> None:
+    """etcd holding keys of run 'old' written under the v0 layout."""
+    from elastic_runner.config import EtcdConfig
+    from elastic_runner.etcd.client import EtcdClient
+
+    endpoint = ctx.request.getfixturevalue("etcd").endpoint
+    client = EtcdClient(EtcdConfig((endpoint,), 2.0, 5.0))
+    client.put("/elastic-runner/v0/old/round", b"7")
+    client.close()
+    ctx.values["endpoint"] = endpoint
+
+
+def unwritable_checkpoint_dir(ctx: Context) -> None:
+    """A checkpoint path below a plain file: no user (root included) can create it."""
+    blocker = ctx.tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    ctx.values["ckpt"] = str(blocker / "ckpt")
+
+
+MLP = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
+
+
 # ---- the table ------------------------------------------------------------------
 CASES = [
     pytest.param(no_setup, lambda c: ["--min-nodes", "3", "--max-nodes", "2", c.script],
@@ -138,6 +160,10 @@ CASES = [
                                            "--min-nodes", "1", "--max-nodes", "3",
                                            "--node-id", "agent2", c.values["sleeper"]],
                  5, ["different job", "max_nodes 2 (run) vs 3"], id="spec-mismatch"),
+    pytest.param(old_schema_run, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
+                                            "--run-id", "old", c.script],
+                 5, ["older elastic-runner", "new --run-id"], id="old-schema-keys"),
+
 ]
 
 # The unreachable-etcd case must give up well within this bound, not hang.
@@ -165,6 +191,26 @@ def test_bad_input(request, tmp_path, setup, make_argv, exit_code, phrases):
         assert last.startswith("elastic-run: error: "), report
         for phrase in phrases:
             assert phrase.format(**ctx.values) in last, report
+
+
+def test_checkpoint_dir_not_writable_names_the_path(request, tmp_path):
+    """A worker-side error: the job's one line names the worker, its tail the cause."""
+    ctx = Context(tmp_path, contextlib.ExitStack(), request)
+    unwritable_checkpoint_dir(ctx)
+    result = subprocess.run(
+        elastic_run("--max-restarts", "0", str(MLP), "--checkpoint-dir", ctx.values["ckpt"],
+                    "--steps", "3"),
+        cwd=tmp_path, env=clean_env(), stdin=subprocess.DEVNULL, capture_output=True,
+        text=True, timeout=90)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("elastic-run")]
+    assert result.returncode == 6, result.stderr
+    assert "worker global rank 0 (local rank 0)" in result.stderr
+    assert "exited with code 1" in result.stderr
+    worker_error = [line for line in result.stderr.splitlines()
+                    if "elastic-run worker: error:" in line]
+    assert worker_error and ctx.values["ckpt"] in worker_error[-1]
+    assert "Traceback" not in result.stderr
+    assert errors[-1].startswith("elastic-run: error:")
 
 
 HELP_FLAGS = ["--min-nodes", "--max-nodes", "--nnodes", "--nproc-per-node", "--rdzv-endpoints",
