@@ -46,6 +46,9 @@ class Job:
     script_args: tuple[str, ...] = ("--step-time", "0.05")
     extra_flags: tuple[str, ...] = ()
     script: Path = PROBE
+    # Per-node command prefix (e.g. `ip netns exec NS`) and extra environment.
+    wrap: dict[str, list[str]] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
     agents: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -69,8 +72,9 @@ class Job:
         for node in nodes:
             log = open(self.workdir / f"agent-{node}.log", "ab")
             self.agents[node] = subprocess.Popen(
-                self.command(node, **overrides), stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True)
+                [*self.wrap.get(node, []), *self.command(node, **overrides)], stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, **self.env} if self.env else None)
             log.close()
 
     def agent_log(self, node: str) -> str:
