@@ -27,21 +27,13 @@ from collections import Counter
 from pathlib import Path
 
 from elastic_runner.etcd.server import EmbeddedEtcd
+from elastic_runner.events import read_jsonl
 from elastic_runner.events import EVENTS_FILE, read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES, BATCH = 2048, 32
 
 
-def read_trace(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return rows
 
 
 class Soak:
@@ -137,7 +129,7 @@ def main() -> int:
         finally:
             soak.stop()
     agent_events = read_events(workdir / "logs" / EVENTS_FILE)
-    result = analyse(read_trace(workdir / "trace.jsonl"), soak.events, agent_events,
+    result = analyse(read_jsonl(workdir / "trace.jsonl"), soak.events, agent_events,
                      time.time() - started)
     result["events"] = dict(result["events"])
     result.update(date=time.strftime("%Y-%m-%d"), cores=os.cpu_count(), workdir=str(workdir))

@@ -60,12 +60,20 @@ class EventLog:
         return record
 
 
-def read_events(path: Path) -> list[dict]:
-    """Events of a log file in order; a line cut short by a crash is skipped."""
-    events = []
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a file other processes append to; a line cut short (being
+    written, or by a crash) is skipped. A missing file has no records."""
+    if not path.exists():
+        return []
+    records = []
     for line in path.read_text().splitlines():
         try:
-            events.append(json.loads(line))
+            records.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-    return sorted(events, key=lambda e: e.get("time", 0))
+    return records
+
+
+def read_events(path: Path) -> list[dict]:
+    """Events of a log file in time order."""
+    return sorted(read_jsonl(path), key=lambda e: e.get("time", 0))

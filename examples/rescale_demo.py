@@ -12,7 +12,6 @@ epoch was trained on exactly once in the run's effective history.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -23,26 +22,18 @@ from collections import Counter
 from pathlib import Path
 
 from elastic_runner.etcd.server import EmbeddedEtcd
+from elastic_runner.events import read_jsonl
 
 HERE = Path(__file__).resolve().parent
 SAMPLES, BATCH = 9600, 32
 
 
-def trace(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return rows
 
 
 def wait_for_world(path: Path, world: int, after_step: int, timeout: float = 90) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        steps = [r["step"] for r in trace(path) if r["world"] == world and r["step"] > after_step]
+        steps = [r["step"] for r in read_jsonl(path) if r["world"] == world and r["step"] > after_step]
         if len(steps) >= 5 * world:
             return max(steps)
         time.sleep(0.2)
@@ -109,7 +100,7 @@ def main() -> int:
                 if process.poll() is None:
                     os.killpg(process.pid, signal.SIGKILL)
     events = [(1, "c joined (scale-up)"), (2, "spot notice to b"), (3, "c crashed (SIGKILL)")]
-    summarize(trace(path), events)
+    summarize(read_jsonl(path), events)
     print(f"node a exited with {code}")
     return code
 

@@ -7,7 +7,6 @@ logs) with a generous deadline, never on fixed sleeps.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,21 +15,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastic_runner.events import read_jsonl  # the e2e tests import it from here
+
 PROBE = Path(__file__).resolve().parents[1] / "helpers" / "probe_worker.py"
 MLP = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Lines of a log the workers append to; a line being written is skipped."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
 
 
 @dataclass
