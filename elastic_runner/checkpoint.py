@@ -24,20 +24,17 @@ import io
 import json
 import logging
 import os
-import re
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, runtime_checkable
 
-import fsspec
 import torch
 import torch.distributed as dist
-from fsspec.implementations.local import LocalFileSystem
 
-from elastic_runner.errors import ElasticRunError
+from elastic_runner.checkpoint_storage import Storage as _Storage
+from elastic_runner.errors import CheckpointError, CheckpointWriteError, StaleWriterError
 
 __all__ = [
     "CheckpointConfig", "CheckpointError", "CheckpointWriteError", "Checkpointer",
@@ -49,21 +46,7 @@ log = logging.getLogger("elastic_runner.checkpoint")
 FORMAT = 1
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "MANIFEST.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_CHUNK = 8 << 20
 _SKIPPED = object()
-
-
-class CheckpointError(ElasticRunError):
-    """Base of checkpoint failures, so a caller can catch one type."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """A save could not complete; earlier checkpoints are untouched."""
-
-
-class StaleWriterError(CheckpointError):
-    """The latest store refused our record: a newer round owns the history."""
 
 
 class _Unverified(Exception):
@@ -125,100 +108,6 @@ class CheckpointConfig:
             raise ValueError(f"keep must be >= 1 or None (keep all), got {self.keep}")
         if self.every is not None and self.every < 1:
             raise ValueError(f"every must be >= 1 or None, got {self.every}")
-
-
-def _write_all(fileobj: Any, data: bytes) -> None:
-    """Write in chunks so a huge payload needs no second in-memory copy."""
-    view = memoryview(data)
-    for start in range(0, len(view), _CHUNK):
-        fileobj.write(view[start : start + _CHUNK])
-
-
-class _Storage:
-    """fsspec wrapper that knows how to make a write durable per filesystem."""
-
-    def __init__(self, url: str, options: Mapping[str, Any]) -> None:
-        try:
-            self.fs, root = fsspec.core.url_to_fs(url, **options)
-        except (ImportError, ValueError) as exc:
-            raise CheckpointError(
-                f"cannot open checkpoint location {url!r}: {exc}. Install the fsspec "
-                "backend for its protocol (e.g. s3fs, gcsfs) or use a local path."
-            ) from exc
-        self.root = root.rstrip("/")
-        self.local = isinstance(self.fs, LocalFileSystem)
-
-    def url(self, path: str) -> str:
-        return self.fs.unstrip_protocol(path)
-
-    def write_atomic(self, path: str, data: bytes) -> None:
-        """Readers see the old file or the whole new one, never a prefix."""
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-        try:
-            if self.local:
-                with open(tmp, "wb") as f:
-                    _write_all(f, data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            else:  # object stores: an upload only appears once complete
-                with self.fs.open(tmp, "wb") as f:
-                    _write_all(f, data)
-                self.fs.mv(tmp, path)
-        except BaseException:
-            self.discard(tmp)
-            raise
-
-    def discard(self, path: str, directory: bool = False) -> None:
-        """Best-effort cleanup that must never mask the error being raised."""
-        try:
-            self.fs.rmdir(path) if directory else self.fs.rm_file(path)
-        except OSError:
-            pass
-
-    def sync_dir(self, path: str) -> None:
-        """Make renames durable; only meaningful (and possible) locally."""
-        if not self.local:
-            return
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            log.debug("fsync of directory %s failed: %s", path, exc)
-
-    def hash_file(self, path: str) -> tuple[int, str]:
-        digest, size = hashlib.sha256(), 0
-        with self.fs.open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
-                size += len(chunk)
-        return size, digest.hexdigest()
-
-    def steps(self) -> list[int]:
-        """Step numbers present, committed or not, newest first."""
-        self.fs.invalidate_cache(self.root)  # other nodes write here too
-        try:
-            paths = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in paths)
-        return sorted({int(m.group(1)) for n in names if (m := _STEP_DIR.match(n))}, reverse=True)
-
-    def probe(self) -> None:
-        """Fail at start-up rather than at the first save hours later."""
-        try:
-            self.fs.makedirs(self.root, exist_ok=True)
-            path = f"{self.root}/.write-probe-{uuid.uuid4().hex[:12]}"
-            self.fs.pipe_file(path, b"ok")
-            self.fs.rm_file(path)
-        except OSError as exc:
-            raise CheckpointError(
-                f"rank 0 cannot write checkpoints to {self.url(self.root)}: {exc}. "
-                "Fix its permissions or pass a writable location."
-            ) from exc
 
 
 class Checkpointer:

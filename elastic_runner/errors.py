@@ -72,6 +72,18 @@ class WorkerFailure(ElasticRunError):
     exit_code = 6
 
 
+class CheckpointError(ElasticRunError):
+    """Base of checkpoint failures, so a caller can catch one type."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save could not complete; earlier checkpoints are untouched."""
+
+
+class StaleWriterError(CheckpointError):
+    """The latest store refused our record: a newer round owns the history."""
+
+
 class ShutdownRequested(ElasticRunError):
     """SIGTERM/SIGINT reached the agent; not a failure of the job."""
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from elastic_runner import checkpoint  # noqa: E402
+from elastic_runner import checkpoint, checkpoint_storage  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
         ready.write_text("half written\n")
         time.sleep(600)
 
-    checkpoint._write_all = half_then_hang
+    checkpoint_storage._write_all = half_then_hang
     ckpt = checkpoint.Checkpointer(root, rank=0)
     ckpt.save(step, {"step": step, "w": torch.ones(1 << 20)})
 

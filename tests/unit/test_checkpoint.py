@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_runner import checkpoint
+from elastic_runner import checkpoint_storage
 from elastic_runner.checkpoint import (
     CheckpointError,
     Checkpointer,
@@ -217,13 +217,13 @@ def test_memory_store_cas_rules():
 
 
 def gated_write(monkeypatch) -> threading.Event:
-    gate, original = threading.Event(), checkpoint._write_all
+    gate, original = threading.Event(), checkpoint_storage._write_all
 
     def write(fileobj, data):
         assert gate.wait(10), "test never opened the gate"
         original(fileobj, data)
 
-    monkeypatch.setattr(checkpoint, "_write_all", write)
+    monkeypatch.setattr(checkpoint_storage, "_write_all", write)
     return gate
 
 
@@ -246,7 +246,7 @@ def test_async_error_is_reraised_on_wait(tmp_path, monkeypatch):
     def full(fileobj, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write_all", full)
+    monkeypatch.setattr(checkpoint_storage, "_write_all", full)
     ckpt = Checkpointer(tmp_path, async_save=True)
     ckpt.save(1, payload(1))
     with pytest.raises(CheckpointWriteError):
@@ -275,17 +275,17 @@ def test_unwritable_root(tmp_path):
 def test_disk_full_keeps_previous_and_no_temp(tmp_path, monkeypatch):
     ckpt = Checkpointer(tmp_path)
     ckpt.save(1, payload(1))
-    original = checkpoint._write_all
+    original = checkpoint_storage._write_all
 
     def full(fileobj, data):
         fileobj.write(memoryview(data)[:100])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write_all", full)
+    monkeypatch.setattr(checkpoint_storage, "_write_all", full)
     with pytest.raises(CheckpointWriteError, match="step-00000002") as info:
         ckpt.save(2, payload(2))
     assert "free space" in str(info.value)
-    monkeypatch.setattr(checkpoint, "_write_all", original)
+    monkeypatch.setattr(checkpoint_storage, "_write_all", original)
     assert step_dirs(tmp_path) == ["step-00000001"]
     assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
     assert_payload(ckpt.load_latest(), 1)
@@ -299,7 +299,7 @@ def test_disk_full_on_object_store_leaves_no_temp(mem_url, monkeypatch):
         fileobj.write(memoryview(data)[:100])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write_all", full)
+    monkeypatch.setattr(checkpoint_storage, "_write_all", full)
     with pytest.raises(CheckpointWriteError):
         ckpt.save(2, payload(2))
     fs = fsspec.filesystem("memory")
