@@ -17,11 +17,11 @@ Choices written down here:
   counts the samples it trained). A rank whose last report is older than
   STALE_S (a paused job, a rank of an earlier round) counts as 0 steps/s; with
   no progress files at all the two metrics are absent rather than 0.
-- `elastic_run_checkpoint_save_seconds` observes `checkpoint_saved` records.
-  Workers write those to the events file, not through the agent, so today the
-  histogram fills only where an agent relays them; no checkpoint-age metric is
-  exported because neither the checkpoint record nor the progress files carry
-  a checkpoint time.
+- Checkpoint metrics (`elastic_run_checkpoint_save_seconds`, `_age_seconds`,
+  `_step`) come from `checkpoint.json`, which rank 0's er.Checkpointer writes
+  into its node's progress folder after every verified save: only the agent of
+  the node hosting rank 0 exports them. A save shows up in the histogram at the
+  first scrape after it.
 """
 
 from __future__ import annotations
@@ -126,6 +126,30 @@ class ProgressCollector:
                                 value=rates.samples_per_s)
 
 
+class CheckpointCollector:
+    """Checkpoint age and save time from the file rank 0's Checkpointer writes
+    into this node's progress folder (only the node hosting rank 0 has one)."""
+
+    def __init__(self, progress_dir: Path, save_histogram: Histogram):
+        self._path = progress_dir / "checkpoint.json"
+        self._histogram = save_histogram
+        self._last_seen: float | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            record = json.loads(self._path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return
+        if record.get("time") != self._last_seen:
+            self._last_seen = record.get("time")
+            self._histogram.observe(float(record.get("duration_s", 0.0)))
+        yield GaugeMetricFamily("elastic_run_checkpoint_age_seconds",
+                                "Seconds since rank 0 last wrote a verified checkpoint",
+                                value=time.time() - float(record["time"]))
+        yield GaugeMetricFamily("elastic_run_checkpoint_step", "Step of the newest checkpoint",
+                                value=float(record["step"]))
+
+
 # ---- membership metrics from the agent's events ----------------------------------
 def restart_cause(text: str) -> str:
     """A small, fixed label set from a free-text round cause (labels must not explode)."""
@@ -157,6 +181,7 @@ class MetricsServer:
                                          "Seconds rank 0 spent writing a checkpoint",
                                          buckets=SAVE_BUCKETS, registry=self.registry)
         self.registry.register(ProgressCollector(progress_dir))
+        self.registry.register(CheckpointCollector(progress_dir, self.checkpoint_save))
         self._seen_round = False
         self._server, self._thread = start_http_server(port, host, registry=self.registry)
         self.host = host
@@ -173,8 +198,6 @@ class MetricsServer:
             self._seen_round = True
         elif kind == "resize" and record.get("pause_s") is not None:
             self.pause.observe(float(record["pause_s"]))
-        elif kind == "checkpoint_saved" and record.get("duration_s") is not None:
-            self.checkpoint_save.observe(float(record["duration_s"]))
         elif kind in ("finished", "failed"):
             self.world_size.set(0)
 

@@ -46,6 +46,7 @@ class Context:
     etcd_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     notice_path: str = ""
     events_path: str = ""
+    progress_dir: str = ""
 
     def notice_given(self) -> bool:
         return bool(self.notice_path) and os.path.exists(self.notice_path)
@@ -78,7 +79,8 @@ def context_from_env(environ: Mapping[str, str], backend: str, device: str) -> C
         etcd_endpoints=endpoints, etcd_prefix=environ.get("ELASTIC_RUN_ETCD_PREFIX", ""),
         etcd_options=options,
         notice_path=environ.get("ELASTIC_RUN_NOTICE_PATH", ""),
-        events_path=environ.get("ELASTIC_RUN_EVENTS_PATH", ""))
+        events_path=environ.get("ELASTIC_RUN_EVENTS_PATH", ""),
+        progress_dir=environ.get("ELASTIC_RUN_PROGRESS_DIR", ""))
 
 
 def init(backend: str | None = None, timeout_s: float = 60.0) -> Context:
@@ -182,6 +184,19 @@ class EtcdLatestStore:
                                 [Put(self._key, json.dumps(record).encode())]).succeeded
 
 
+def _write_checkpoint_progress(folder: str, step: int, url: str, duration_s: float) -> None:
+    """The agent's metrics read this for checkpoint age and save time (rank 0's node)."""
+    path = os.path.join(folder, "checkpoint.json")
+    temporary = f"{path}.tmp"
+    try:
+        with open(temporary, "w") as handle:
+            json.dump({"step": step, "url": url, "time": time.time(),
+                       "duration_s": duration_s}, handle)
+        os.replace(temporary, path)
+    except OSError as exc:
+        log.debug("checkpoint progress not written: %s", exc)
+
+
 class Checkpointer(_checkpoint.Checkpointer):
     """A Checkpointer that knows the job: etcd record, spot notices, resize exits."""
 
@@ -221,10 +236,13 @@ class Checkpointer(_checkpoint.Checkpointer):
     def save(self, step: int, state_dict: Any) -> str | None:
         started = time.monotonic()
         where = super().save(step, state_dict)
+        duration = round(time.monotonic() - started, 3)
         if self._events is not None and where is not None:
             self._events.emit("checkpoint_saved", step=step, url=where,
                               round=self._context.round, notice=self._stopping,
-                              duration_s=round(time.monotonic() - started, 3))
+                              duration_s=duration)
+        if where is not None and self._context is not None and self._context.progress_dir:
+            _write_checkpoint_progress(self._context.progress_dir, step, where, duration)
         if self._stopping:
             self.wait()
             log.warning("spot notice: checkpoint of step %d written; stopping for the resize", step)

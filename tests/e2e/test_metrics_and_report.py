@@ -100,6 +100,11 @@ def test_metrics_follow_a_kill_and_report_plots_it(etcd, tmp_path):
         # The survivor's gloo worker may fail before b's lease expires: either cause counts.
         assert sum(v for k, v in after.items() if k.startswith("elastic_run_restarts_total{")) >= 1
         assert after["elastic_run_samples_per_second"] > 0
+        # a now hosts rank 0: its checkpoints show up as age, step and save time.
+        saved = wait_metric(job, url_a, lambda s: s.get("elastic_run_checkpoint_step", 0) > 0
+                            and s.get("elastic_run_checkpoint_save_seconds_count", 0) >= 1,
+                            "checkpoint metrics on a")
+        assert 0 <= saved["elastic_run_checkpoint_age_seconds"] < 60
     finally:
         job.stop_all()
 
