@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from elastic_runner.config import OLDER_SCHEMA_PREFIXES, RendezvousConfig
 from elastic_runner.errors import (
-    EtcdAuthError, RendezvousTimeout, RunFinished, SchemaMismatch, ShutdownRequested, SpecMismatch,
+    EtcdAuthError, EtcdError, RendezvousTimeout, RunFinished, SchemaMismatch, ShutdownRequested, SpecMismatch,
     WorkerFailure,
 )
 from elastic_runner.etcd.client import EtcdClient, Put, key_missing, mod_revision_is
@@ -83,12 +83,27 @@ class EtcdRendezvous:
         except EtcdAuthError:
             return 0
 
-    def _take_lease(self) -> None:
-        self.lease = KeptLease(self._client, self._config.lease_ttl_s, on_lost=self.mirror.wake)
+    def _take_lease(self, attempts: int = 2) -> None:
+        """Grant a lease and announce this node under it.
+
+        A lease can expire between the grant and the put when this process is
+        starved of CPU for longer than the TTL; one retry with a fresh lease
+        turns that into a delay instead of a crash.
+        """
         record = json.dumps({"node_id": self.node_id, "addr": self._config.node_addr,
                              "nproc": self._config.nproc,
                              "labels": dict(self._config.labels)}).encode()
-        self._client.put(p.node_key(self.prefix, self.node_id), record, lease=self.lease.id)
+        for attempt in range(attempts):
+            self.lease = KeptLease(self._client, self._config.lease_ttl_s,
+                                   on_lost=self.mirror.wake)
+            try:
+                self._client.put(p.node_key(self.prefix, self.node_id), record,
+                                 lease=self.lease.id)
+                return
+            except EtcdError as exc:
+                self.lease.stop()
+                if "lease not found" not in str(exc) or attempt == attempts - 1:
+                    raise
 
     def leave(self) -> None:
         """Revoke the lease so the others re-form now rather than after the TTL."""

@@ -66,3 +66,8 @@ def test_init_warns_when_the_script_hand_typed_another_rank(monkeypatch, caplog,
             in caplog.text
     finally:
         er.finish()
+
+
+def test_several_workers_per_node_get_one_omp_thread_unless_told_otherwise():
+    assert {e["OMP_NUM_THREADS"] for e in envs("a", gpu_count=0)} == {"1"}
+    assert {e["OMP_NUM_THREADS"] for e in envs("a", 0, {"OMP_NUM_THREADS": "3"})} == {"3"}
