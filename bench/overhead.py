@@ -27,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c  # noqa: E402
 
 
+OMP_ROW = "elastic-run, OMP_NUM_THREADS=1 exported"
+
+
 def cpu_seconds(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -41,8 +44,10 @@ def pct(values, q):
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def one(kind: str, args, endpoint: str, workdir: Path) -> dict:
-    job = c.Launcher(kind, workdir, min_nodes=args.nodes, max_nodes=args.nodes, nproc=args.nproc,
+def one(name: str, args, endpoint: str, workdir: Path) -> dict:
+    kind = "torchrun" if name == "torchrun" else "elastic-run"
+    env = {"OMP_NUM_THREADS": "1"} if "OMP" in name else {}
+    job = c.Launcher(kind, workdir, env_extra=env, min_nodes=args.nodes, max_nodes=args.nodes, nproc=args.nproc,
                      endpoint=endpoint, script_args=("--steps", args.steps, "--every", args.every,
                                                      "--step-time", args.step_time))
     t0 = job.start(*[f"n{i}" for i in range(args.nodes)])
@@ -78,12 +83,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=180)
+    ap.add_argument("--no-omp-row", action="store_true",
+                    help="skip the extra elastic-run run with OMP_NUM_THREADS=1 exported")
     args = ap.parse_args()
     from elastic_runner.etcd.server import EmbeddedEtcd
 
     info = c.env_info()
     base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     runs = {"elastic-run": [], "torchrun": []}
+    if not args.no_omp_row:
+        runs[OMP_ROW] = []
     with EmbeddedEtcd() as etcd:
         for rep in range(args.repeats):
             for kind in runs:
@@ -100,12 +109,21 @@ def main() -> None:
     for m in keys:
         a, b = summary["elastic-run"][m], summary["torchrun"][m]
         r = c.ratio(a, b)
-        rows.append([names[m], c.fmt(a, "", 2), c.fmt(b, "", 2), f"{r:.2f}" if r else "n/a"])
+        row = [names[m], c.fmt(a, "", 2), c.fmt(b, "", 2), f"{r:.2f}" if r else "n/a"]
+        if OMP_ROW in summary:
+            o = summary[OMP_ROW][m]
+            r2 = c.ratio(o, b)
+            row += [c.fmt(o, "", 2), f"{r2:.2f}" if r2 else "n/a"]
+        rows.append(row)
     text = (f"overhead: {args.nodes} node(s) x {args.nproc} workers, {args.steps} steps, checkpoint "
             f"every {args.every}, step sleep {args.step_time}s, {args.repeats} repeat(s) "
             f"alternating; median [min-max] over repeats\n"
             f"{info['date_utc']} UTC, {info['cores']} cores, torch {info['torch']}, etcd {info['etcd']}\n\n"
-            + c.table(["figure", "elastic-run", "torchrun", "ratio er/tr"], rows))
+            + c.table(["figure", "elastic-run", "torchrun", "ratio er/tr"]
+                      + (["elastic-run + OMP_NUM_THREADS=1", "ratio"] if OMP_ROW in summary else []),
+                      rows)
+            + "\ntorchrun exports OMP_NUM_THREADS=1 to its workers when --nproc-per-node > 1 "
+              "(torch/distributed/run.py); elastic-run does the same (workers.worker_env)")
     print("\n" + text)
     path = c.save("overhead", {"args": vars(args), "env": info, "runs": runs, "summary": summary}, text)
     shutil.rmtree(base, ignore_errors=True)

@@ -21,7 +21,6 @@ its checkpoint) for the next event.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -83,8 +82,10 @@ def wait_mid_interval(job: c.Launcher, since: float, every: int, timeout: float 
     return c.wait_until(ready, timeout, poll=0.02)
 
 
-def last_step_before(job: c.Launcher, t: float) -> int | None:
-    rows = [r["step"] for r in c.steps_of(job.steps_file) if r["t"] <= t]
+def last_step_before(job: c.Launcher, t: float, since: float = 0.0,
+                     exclude_world: int | None = None) -> int | None:
+    rows = [r["step"] for r in c.steps_of(job.steps_file)
+            if since <= r["t"] < t and r["world"] != exclude_world]
     return max(rows) if rows else None
 
 
@@ -145,8 +146,10 @@ def one_run(key: str, args, etcd_endpoint: str, workdir: Path) -> dict:
             names.remove(victim) if victim in names else None
             t_ev = job.sigkill(victim) if event == "sigkill" else job.sigterm(victim)
             target = (len(alive) - 1) * M
-        before = last_step_before(job, t_ev)
         row, err = wait_world(job, target, t_ev, args.event_timeout)
+        # Re-done = steps the old world finished (before the new world's first step,
+        # also after the event: a join is noticed late) that the new world trains again.
+        before = last_step_before(job, row["t"], phase_t, exclude_world=target) if row else None
         out = {"s": row["t"] - t_ev if row else None, "error": err,
                "redone": max(0, before - row["step"] + 1) if row and before is not None else None,
                "host": host}
@@ -239,16 +242,16 @@ def etcd_v2_check() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nodes", type=int, default=3, help="agents (N)")
+    ap.add_argument("--nodes", type=int, default=2, help="agents (N)")
     ap.add_argument("--nproc", type=int, default=1, help="workers per agent (M)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--variants", default="er,er+ckpt,tr,tr-noshare",
                     help=f"comma list of {','.join(VARIANTS)}")
     ap.add_argument("--every", type=int, default=20, help="checkpoint interval (steps)")
     ap.add_argument("--step-time", type=float, default=0.05)
-    ap.add_argument("--event-timeout", type=float, default=120)
-    ap.add_argument("--lease-ttl", type=int, default=2, help="elastic-run --lease-ttl")
-    ap.add_argument("--settle", type=float, default=1.0, help="elastic-run --settle")
+    ap.add_argument("--event-timeout", type=float, default=180)
+    ap.add_argument("--lease-ttl", type=int, default=5, help="elastic-run --lease-ttl (its default)")
+    ap.add_argument("--settle", type=float, default=2.0, help="elastic-run --settle (its default)")
     ap.add_argument("--floor-repeats", type=int, default=3)
     args = ap.parse_args()
     from elastic_runner.etcd.server import EmbeddedEtcd
