@@ -106,7 +106,7 @@ def _members(client, plan: p.Plan | None, nodes: dict, joined_at: dict) -> list[
         kv = nodes.get(member.node_id)
         rows.append({
             "node": member.node_id, "addr": member.addr, "nproc": member.nproc,
-            "node_rank": member.node_rank,
+            "node_rank": member.node_rank, "labels": dict(member.labels),
             "ranks": list(range(member.first_rank, member.first_rank + member.nproc)),
             "live": kv is not None,
             "joined_at": joined_at.get(member.node_id),
@@ -208,14 +208,16 @@ def render_status(console, status: dict) -> None:
         age = f", {ckpt['age_s']:g} s ago" if "age_s" in ckpt else ""
         console.print(f"checkpoint: step {ckpt['step']} at {ckpt['url']}{age}")
     members = Table(title=f"members (plan of round {status['plan_round']})")
-    for column in ("node", "addr", "nproc", "node rank", "ranks", "joined", "lease left"):
+    for column in ("node", "labels", "addr", "nproc", "node rank", "ranks", "joined",
+                   "lease left"):
         members.add_column(column)
     for m in status["members"]:
         lease = f"{m['lease_remaining_s']} s" if m["lease_remaining_s"] is not None else "gone"
         ranks = f"{m['ranks'][0]}..{m['ranks'][-1]}" if m["ranks"] else ""
         joined = _when(m["joined_at"]) or f"rev {m['joined_revision']}"
-        members.add_row(m["node"], m["addr"], str(m["nproc"]), str(m["node_rank"]), ranks,
-                        joined, lease)
+        labels = ",".join(f"{k}={v}" for k, v in sorted(m["labels"].items()))
+        members.add_row(m["node"], labels, m["addr"], str(m["nproc"]), str(m["node_rank"]),
+                        ranks, joined, lease)
     console.print(members)
     if status["waiting"]:
         waiting = Table(title="waiting (live, not in the plan)")

@@ -32,7 +32,7 @@ def status_cli(endpoint: str, *flags: str, timeout: float = 60) -> subprocess.Co
 
 
 def test_json_shows_members_round_and_events(job):
-    job.start("a")
+    job.start("a", node_label=["zone=z1"])
     job.wait_world(1)
     done = status_cli(job.endpoint, "--run-id", job.run_id, "--json", "--events", "2")
     assert done.returncode == 0, done.stderr
@@ -41,6 +41,7 @@ def test_json_shows_members_round_and_events(job):
     assert view["spec"]["min_nodes"] == 1
     [member] = view["members"]
     assert (member["node"], member["node_rank"], member["ranks"]) == ("a", 0, [0])
+    assert member["labels"] == {"zone": "z1"}
     assert member["live"] and member["lease_remaining_s"] > 0 and member["joined_at"]
     assert view["waiting"] == []
     assert len(view["events"]) == 2
