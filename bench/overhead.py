@@ -104,7 +104,7 @@ def main() -> None:
     summary = {k: {m: c.mmm([r[m] for r in v]) for m in keys} for k, v in runs.items()}
     names = {"step_ms_median": "step time median (ms)", "step_ms_p90": "step time p90 (ms)",
              "step_ms_mean": "step time mean (ms)", "start_to_first_step_s": "start -> first step (s)",
-             "agent_cpu_s": "agent process CPU (s)", "wall_s": f"first -> last step (s)"}
+             "agent_cpu_s": "agent process CPU (s)", "wall_s": "first -> last step (s)"}
     rows = []
     for m in keys:
         a, b = summary["elastic-run"][m], summary["torchrun"][m]

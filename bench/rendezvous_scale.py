@@ -69,8 +69,9 @@ class SimAgent:
         self.client = EtcdClient(EtcdConfig((endpoint,), timeout_s=30.0, retry_deadline_s=60.0))
         cfg = RendezvousConfig(run_id=run_id, node_id=node, min_nodes=1, max_nodes=max_nodes,
                                lease_ttl_s=ttl, settle_s=settle, join_timeout_s=300)
-        self.rdzv = EtcdRendezvous(self.client, cfg, JobSpec(1, max_nodes, 1, "bench"), 3)
+        self.rdzv = EtcdRendezvous(self.client, cfg, JobSpec(1, max_nodes, "bench"), 3)
         self.plans: list[tuple[float, int, tuple]] = []
+        self.on_plan = None  # set in --processes mode: reports each plan to the parent
         self.stop = threading.Event()
         self.error: str | None = None
 
@@ -79,18 +80,23 @@ class SimAgent:
             time.sleep(max(0.0, go - time.time()))
             self.rdzv.register()
             plan = self.rdzv.next_plan(None, "start")
-            self.plans.append((time.time(), plan.round, plan.node_ids))
+            self._record(plan)
             while monitor and not self.stop.is_set():
                 gen = self.rdzv.mirror.generation
                 reason = self.rdzv.change_reason(plan)
                 if reason:
                     plan = self.rdzv.next_plan(plan, reason)
-                    self.plans.append((time.time(), plan.round, plan.node_ids))
+                    self._record(plan)
                 else:
                     self.rdzv.mirror.wait(0.1, gen)
         except Exception as exc:  # noqa: BLE001
             if not self.stop.is_set():
                 self.error = f"{type(exc).__name__}: {exc}"
+
+    def _record(self, plan) -> None:
+        self.plans.append((time.time(), plan.round, plan.node_ids))
+        if self.on_plan is not None:
+            self.on_plan(self.plans[-1])
 
     def close(self, leave: bool) -> None:
         self.stop.set()
@@ -190,6 +196,125 @@ def elastic_size(endpoint: str, n: int, churn: bool, args) -> dict:
     return res
 
 
+# ---- elastic-run, agents spread over processes --------------------------------------
+def _group_main(endpoint, run_id, names, max_nodes, settle, ttl, go, monitor, updates,
+                commands) -> None:
+    """One child process: its share of the simulated agents, as threads."""
+    agents = {}
+    for name in names:
+        agent = SimAgent(endpoint, run_id, name, max_nodes, settle, ttl)
+        agent.on_plan = lambda plan, name=name: updates.put((name, plan[0], plan[1], plan[2]))
+        agents[name] = agent
+    for agent in agents.values():
+        threading.Thread(target=agent.run, args=(go, monitor), daemon=True).start()
+    while True:
+        command = commands.recv()
+        if command[0] == "leave":
+            agents[command[1]].close(leave=True)
+        else:
+            break
+    for agent in agents.values():
+        agent.close(leave=False)
+    os._exit(0)
+
+
+class ProcessGroupAgents:
+    """The parent's view: the newest plan each agent reported through a queue."""
+
+    def __init__(self, endpoint: str, run_id: str, n: int, processes: int, args, monitor: bool):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")  # no gRPC state inherited by fork
+        self.updates = context.Queue()
+        self.names = [f"s{i:04d}" for i in range(n)]
+        self.last: dict[str, tuple] = {}
+        self.pipes, self.children, self.owner = [], [], {}
+        go = time.time() + 3.0 + n / 200  # time for the children to import and connect
+        self.go = go
+        for index in range(processes):
+            share = self.names[index::processes]
+            parent_end, child_end = context.Pipe()
+            child = context.Process(target=_group_main, daemon=True, args=(
+                endpoint, run_id, share, n, args.settle, args.lease_ttl, go, monitor,
+                self.updates, child_end))
+            child.start()
+            self.pipes.append(parent_end)
+            self.children.append(child)
+            self.owner.update({name: parent_end for name in share})
+
+    def drain(self) -> None:
+        while True:
+            try:
+                name, at, number, members = self.updates.get_nowait()
+            except Exception:  # queue.Empty
+                return
+            self.last[name] = (at, number, tuple(members))
+
+    def wait_agreed(self, names, size: int, after_round: int, timeout: float):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.drain()
+            last = [self.last.get(name) for name in names]
+            if all(p is not None and p[1] > after_round for p in last):
+                if len({p[1] for p in last}) == 1 and len({p[2] for p in last}) == 1 \
+                        and len(last[0][2]) == size:
+                    return max(p[0] for p in last), last[0][1]
+            time.sleep(0.05)
+        return None
+
+    def leave(self, name: str) -> None:
+        self.owner[name].send(("leave", name))
+
+    def stop(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(("stop",))
+            except OSError:
+                pass
+        for child in self.children:
+            child.join(timeout=20)
+            if child.is_alive():
+                child.kill()
+
+
+def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
+    run_id = f"scale-{n}-{os.getpid()}-{int(time.time())}"
+    m0 = metrics(endpoint)
+    group = ProcessGroupAgents(endpoint, run_id, n, args.processes, args, churn)
+    res = {"n": n, "processes": args.processes}
+    try:
+        got = group.wait_agreed(group.names, n, -1, args.timeout + (group.go - time.time()))
+        m1 = metrics(endpoint)
+        res.update(start_s=got[0] - group.go if got else None, start_requests=delta(m0, m1))
+        res["start_requests_total"] = sum(res["start_requests"].values())
+        res["start_requests_per_agent"] = res["start_requests_total"] / n
+        if got and churn:
+            time.sleep(2.0)
+            leaver = group.names[n // 2]
+            rest = [name for name in group.names if name != leaver]
+            m2, t_leave = metrics(endpoint), time.time()
+            group.leave(leaver)
+            got2 = group.wait_agreed(rest, n - 1, got[1], args.timeout)
+            m3 = metrics(endpoint)
+            res.update(leave_s=got2[0] - t_leave if got2 else None, leave_requests=delta(m2, m3))
+            res["leave_requests_total"] = sum(res["leave_requests"].values())
+            if got2:
+                time.sleep(2.0)
+                newcomer = SimAgent(endpoint, run_id, "new0", n, args.settle, args.lease_ttl)
+                m4, t_join = metrics(endpoint), time.time()
+                threading.Thread(target=newcomer.run, args=(t_join, True), daemon=True).start()
+                newcomer.on_plan = lambda plan: group.updates.put(("new0", *plan))
+                got3 = group.wait_agreed(rest + ["new0"], n, got2[1], args.timeout)
+                m5 = metrics(endpoint)
+                res.update(join_s=got3[0] - t_join if got3 else None,
+                           join_requests=delta(m4, m5))
+                res["join_requests_total"] = sum(res["join_requests"].values())
+                newcomer.close(leave=False)
+    finally:
+        group.stop()
+    return res
+
+
 # ---- torch -----------------------------------------------------------------------
 class Counting:
     """Wraps a rendezvous backend and counts its state reads/writes."""
@@ -229,6 +354,7 @@ class TorchAgent:
             run_id, store, backend, min_nodes=1, max_nodes=n_max,
             timeout=RendezvousTimeout(join=timedelta(seconds=args.timeout)))
         self.plans: list[tuple[float, int, tuple]] = []
+        self.on_plan = None  # set in --processes mode: reports each plan to the parent
         self.stop = threading.Event()
         self.error: str | None = None
 
@@ -267,7 +393,6 @@ def torch_size(n: int, churn: bool, args) -> dict:
     agents = [TorchAgent(port, run_id, n, counter, lock, args) for _ in range(n)]
     build_s = time.time() - t_build
     go = time.time() + 0.5
-    crash = threading.Event()  # set: survivors' workers "failed": re-rendezvous
     threads = [threading.Thread(target=a.run, args=(go, churn, ev), daemon=True)
                for a, ev in zip(agents, [threading.Event() for _ in agents])]
     flags = [t._args[2] for t in threads]
@@ -329,6 +454,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=150)
     ap.add_argument("--settle", type=float, default=1.0)
     ap.add_argument("--lease-ttl", type=int, default=5)
+    ap.add_argument("--processes", type=int, default=0,
+                    help="spread elastic-run's simulated agents over this many processes "
+                         "(0: threads in this process); needed for N >= 256 on small machines")
     args = ap.parse_args()
     from elastic_runner.etcd.server import EmbeddedEtcd
 
@@ -340,7 +468,8 @@ def main() -> None:
     with EmbeddedEtcd() as etcd:
         for n in sizes:
             print(f"elastic-run N={n} ...", flush=True)
-            er_res[n] = elastic_size(etcd.endpoint, n, n == largest, args)
+            measure = elastic_size_processes if args.processes else elastic_size
+            er_res[n] = measure(etcd.endpoint, n, n == largest, args)
             print(f"  {er_res[n]}", flush=True)
     if not args.no_torch:
         for n in sizes:
@@ -383,7 +512,8 @@ def main() -> None:
                        f"({ta / a:.1f} -> {tb / b:.1f} per agent), state bytes moved "
                        f"{tr_res[a]['start_requests'].get('bytes', 0) / 1e6:.2f} MB -> "
                        f"{tr_res[b]['start_requests'].get('bytes', 0) / 1e6:.1f} MB")
-    text = (f"rendezvous_scale: simulated agents as threads in one process, loopback; "
+    spread = (f"in {args.processes} processes" if args.processes else "in one process")
+    text = (f"rendezvous_scale: simulated agents as threads {spread}, loopback; "
             f"elastic-run settle {args.settle}s, lease TTL {args.lease_ttl}s; torch defaults\n"
             f"{info['date_utc']} UTC, {info['cores']} cores, torch {info['torch']}, etcd {info['etcd']}\n\n"
             + c.table(["event", "elastic-run (etcd)", "etcd requests", "torch c10d dynamic",

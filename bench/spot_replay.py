@@ -134,7 +134,7 @@ def replay(key: str, schedule, duration: float, args, endpoint: str, wd: Path) -
     rows = [r for r in c.steps_of(job.steps_file) if r["rank"] == 0 and r["t"] <= end]
     done: dict[int, int] = {}
     lost = redone_steps = 0
-    worlds, resizes, prev = [], 0, None
+    resizes, prev = 0, None
     gaps_by_pid: dict[int, list[float]] = {}
     last_t: dict[int, float] = {}
     for r in rows:

@@ -47,10 +47,10 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
     rnd = os.environ.get("ELASTIC_RUN_ROUND", "")
-    ckpt = ctx = None
+    ckpt = None
     if args.ckpt == "er":
         import elastic_runner as er
-        ctx = er.init(timeout_s=60).__enter__()
+        er.init(timeout_s=60)
     else:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     t_pg = time.time()
