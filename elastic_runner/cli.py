@@ -65,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     rdzv.add_argument("--join-timeout", type=float, default=600.0,
                       help="seconds to wait for --min-nodes before giving up (default 600)")
     rdzv.add_argument("--settle", type=float, default=2.0,
-                      help="seconds a round with enough nodes waits for more (default 2)")
+                      help="a round with enough nodes closes after this many seconds "
+                           "with no new node (default 2)")
+    rdzv.add_argument("--settle-max", type=float, default=30.0,
+                      help="longest a stream of arrivals may hold a round open "
+                           "(default 30)")
     rdzv.add_argument("--master-addr", help="address peers use to reach this node's "
                       "process-group store (default: the interface that reaches etcd)")
     rdzv.add_argument("--master-port", type=int,
@@ -279,6 +283,7 @@ def build_config(args, environ: dict[str, str], gpu_count: int) -> AgentConfig:
         args.join_timeout, args.settle, args.master_addr or local_address(endpoints),
         args.master_port, drain_timeout_s=args.notice_deadline + args.stop_grace, nproc=nproc,
         min_workers=args.min_workers, max_workers=args.max_workers,
+        settle_max_s=max(args.settle_max, args.settle),
         labels=tuple(sorted(parse_label(t, "--node-label") for t in args.node_label)),
         rank0_prefer=None if args.rank0_prefer in ("", "none")
         else parse_label(args.rank0_prefer, "--rank0-prefer"))

@@ -39,8 +39,11 @@ class RendezvousConfig:
     max_nodes: int = 1
     lease_ttl_s: int = 5
     join_timeout_s: float = 600.0
-    # A round that has its minimum waits this long for more joiners (first round
-    # only when every live node has already joined).
+    # A round that has its minimum closes once no new node has appeared for this
+    # long (a re-formation closes at once when every live node has joined), and
+    # newcomers wait for the same quiet before opening a round, so a burst of
+    # arrivals costs one re-formation, not one each; arrivals extend the wait
+    # up to settle_max_s (below).
     settle_s: float = 2.0
     node_addr: str = "127.0.0.1"
     master_port: int | None = None
@@ -53,6 +56,7 @@ class RendezvousConfig:
     labels: tuple[tuple[str, str], ...] = ()
     # Rank 0 goes to a member with this label when there is one.
     rank0_prefer: tuple[str, str] | None = ("lifecycle", "on-demand")
+    settle_max_s: float = 30.0
 
     @property
     def prefix(self) -> str:

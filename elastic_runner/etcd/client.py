@@ -171,16 +171,10 @@ class EtcdClient:
         log.debug("etcd auth token expired; authenticating again")
         with self._lock:
             stale, self._client = self._client, self._connect()
-        try:
-            stale.close()
-        except Exception:  # the old channel may already be broken
-            log.debug("closing the stale client failed", exc_info=True)
+        _close_quietly(stale)
 
     def close(self) -> None:
-        try:
-            self._client.close()
-        except Exception:  # closing a broken channel must not mask the real error
-            log.debug("closing etcd client failed", exc_info=True)
+        _close_quietly(self._client)
 
     # ---- error handling ---------------------------------------------------------
     def _translate(self, exc: BaseException, what: str) -> EtcdError:
@@ -287,7 +281,12 @@ class EtcdClient:
         responses = self._retrying(
             lambda: list(self._client.refresh_lease(lease_id)), "a lease keep-alive", deadline_s
         )
-        return responses[-1].TTL if responses else 0
+        if not responses:
+            # The stream closed without an answer: that says
+            # nothing about the lease, so it is a failed refresh, not an expiry.
+            raise EtcdUnavailable(f"etcd at {self._endpoint_text} closed a lease keep-alive "
+                                  "without answering")
+        return responses[-1].TTL
 
     def revoke_lease(self, lease_id: int, deadline_s: float | None = None) -> None:
         try:
@@ -421,6 +420,15 @@ class PrefixWatch:
         if events:
             self.next_revision = events[-1].mod_revision + 1
             self.on_events(events)
+
+
+def _close_quietly(client) -> None:
+    if client is None:
+        return
+    try:
+        client.close()
+    except Exception:  # closing a broken channel must not mask the real error
+        log.debug("closing an etcd channel failed", exc_info=True)
 
 
 def _to_event(event) -> WatchEvent:

@@ -38,20 +38,29 @@ class KeptLease:
         return time.monotonic() - self._last_refresh
 
     def _loop(self) -> None:
+        """Refresh every TTL/3; after a failed refresh, try again at once.
+
+        Waiting another full interval after a failure left a single retry
+        before the TTL ran out, so one slow answer from a busy etcd (or a
+        CPU-starved host) cost the node its membership.
+        """
         interval = max(self.ttl_s / 3.0, 0.2)
-        while not self._stop.wait(interval):
+        pause = interval
+        while not self._stop.wait(pause):
             try:
                 remaining = self._client.refresh_lease(self.id, deadline_s=interval)
             except EtcdError as exc:
                 log.debug("lease %x keep-alive failed: %s", self.id, exc)
+                pause = 0.05
                 continue
             if remaining <= 0:
-                self._mark_lost()
+                self._mark_lost(f"etcd answered the keep-alive with TTL {remaining}")
                 return
             self._last_refresh = time.monotonic()
+            pause = interval
 
-    def _mark_lost(self) -> None:
-        log.warning("lease %x expired: this node is no longer a member", self.id)
+    def _mark_lost(self, why: str) -> None:
+        log.warning("lease %x expired (%s): this node is no longer a member", self.id, why)
         self.lost.set()
         if self._on_lost:
             self._on_lost()

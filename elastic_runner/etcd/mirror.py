@@ -3,7 +3,9 @@
 Why: every agent evaluates the rendezvous rules on the same state. Re-reading the
 prefix on each notification would cost O(N) reads per change per agent (O(N^2)
 per round); applying watch events to a copy costs one watch per agent, so etcd's
-load grows linearly with the number of nodes.
+load grows linearly with the number of nodes. The copy is also indexed by
+directory: at a thousand agents, scanning every key on each evaluation (all
+rounds' joins, all nodes) was most of an agent's CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class PrefixMirror:
         # others) are not copied and do not wake waiters.
         self._ignore = ignore
         self._entries: dict[str, KeyValue] = {}
+        self._directories: dict[str, dict[str, KeyValue]] = {}
+        self._deletions: dict[str, int] = {}
         self._revision = 0
         # Bumped on every change or wake(): a waiter that read generation g before
         # evaluating state sleeps only while nothing has happened since g.
@@ -34,7 +38,10 @@ class PrefixMirror:
     def start(self) -> None:
         entries, revision = self._client.get_prefix(self.prefix)
         with self._changed:
-            self._entries = {kv.key: kv for kv in entries if not self._ignore(kv.key)}
+            self._entries, self._directories = {}, {}
+            for kv in entries:
+                if not self._ignore(kv.key):
+                    self._store(kv)
             self._revision = revision
         self._watch = self._client.watch_prefix(self.prefix, revision + 1, self._apply)
 
@@ -51,14 +58,27 @@ class PrefixMirror:
                 if event.mod_revision <= self._revision:
                     continue  # already in the snapshot
                 if event.kind == "delete":
-                    self._entries.pop(event.key, None)
+                    self._drop(event.key)
                 else:
-                    self._entries[event.key] = KeyValue(
-                        event.key, event.value, event.create_revision, event.mod_revision,
-                        event.version, event.lease)
+                    self._store(KeyValue(event.key, event.value, event.create_revision,
+                                         event.mod_revision, event.version, event.lease))
             self._revision = max(self._revision, events[-1].mod_revision)
             self._generation += 1
             self._changed.notify_all()
+
+    def _store(self, kv: KeyValue) -> None:
+        self._entries[kv.key] = kv
+        self._directories.setdefault(_directory(kv.key), {})[kv.key] = kv
+
+    def _drop(self, key: str) -> None:
+        self._entries.pop(key, None)
+        directory = _directory(key)
+        self._deletions[directory] = self._deletions.get(directory, 0) + 1
+        siblings = self._directories.get(directory)
+        if siblings is not None:
+            siblings.pop(key, None)
+            if not siblings:
+                del self._directories[directory]
 
     @property
     def revision(self) -> int:
@@ -74,16 +94,30 @@ class PrefixMirror:
             return sorted((kv for k, kv in self._entries.items() if k.startswith(prefix)),
                           key=lambda kv: kv.key)
 
+    def children(self, directory: str) -> list[KeyValue]:
+        """The keys directly inside `directory` (ending in "/"), in key order."""
+        with self._changed:
+            return sorted(self._directories.get(directory, {}).values(), key=lambda kv: kv.key)
+
+    def census(self, directory: str) -> tuple[int, int]:
+        """(keys now in `directory`, deletions seen there so far), in O(1).
+
+        Lets a waiter tell "someone left" or "the count reached N" from "more of
+        the same arrived" without reading every key again.
+        """
+        with self._changed:
+            return len(self._directories.get(directory, ())), self._deletions.get(directory, 0)
+
     @property
     def generation(self) -> int:
         with self._changed:
             return self._generation
 
-    def wait(self, timeout_s: float, generation: int) -> None:
-        """Sleep until something changed after `generation`, or the timeout."""
+    def wait(self, timeout_s: float, generation: int) -> bool:
+        """Sleep until something changed after `generation` (True), or the timeout."""
         with self._changed:
-            self._changed.wait_for(lambda: self._generation != generation,
-                                   timeout=max(timeout_s, 0))
+            return self._changed.wait_for(lambda: self._generation != generation,
+                                          timeout=max(timeout_s, 0))
 
     def wait_revision(self, revision: int, timeout_s: float) -> bool:
         """Wait until our copy includes `revision` (e.g. our own write)."""
@@ -106,3 +140,7 @@ class PrefixMirror:
         with self._changed:
             self._generation += 1
             self._changed.notify_all()
+
+
+def _directory(key: str) -> str:
+    return key[:key.rfind("/") + 1]

@@ -29,12 +29,29 @@ from elastic_runner.rendezvous import protocol as p
 log = logging.getLogger(__name__)
 
 EVENT_TTL_S = 24 * 3600
+# After a wake-up, let further watch events land before re-evaluating: one
+# evaluation reads every joiner, so evaluating per event costs O(N^2) per agent
+# per round. The window grows with the number of nodes and stays far below a
+# process restart.
+BATCH_S_PER_NODE = 0.0001
+MAX_BATCH_S = 0.05
 
 
 @dataclass(frozen=True)
 class RoundView:
     state: p.RoundState
     mod_revision: int
+
+
+@dataclass(frozen=True)
+class _OpenRoundLook:
+    """What the last full evaluation of an open round saw (counts, not keys)."""
+
+    number: int
+    joined: int
+    departures: int
+    min_met: bool
+    recheck_at: float
 
 
 class EtcdRendezvous:
@@ -51,6 +68,14 @@ class EtcdRendezvous:
         self.shutdown = threading.Event()
         self._min_met_at: dict[int, float] = {}
         self._opened_at: dict[int, float] = {}
+        # Parsed values by key, valid while the key's mod revision is unchanged.
+        self._decoded: dict[str, tuple[int, object]] = {}
+        self._live_count = 0
+        self._newest_round_seen = -1
+        self._last_look: _OpenRoundLook | None = None
+        self._first_joiner: dict[int, str] = {}
+        self._closable_since: dict[int, float] = {}
+        self._members_checked: tuple[int, int] | None = None
 
     # ---- membership -------------------------------------------------------------
     def register(self) -> None:
@@ -91,8 +116,8 @@ class EtcdRendezvous:
         turns that into a delay instead of a crash.
         """
         record = json.dumps({"node_id": self.node_id, "addr": self._config.node_addr,
-                             "nproc": self._config.nproc,
-                             "labels": dict(self._config.labels)}).encode()
+                             "nproc": self._config.nproc, "labels": dict(self._config.labels),
+                             "registered_at": time.time()}).encode()
         for attempt in range(attempts):
             self.lease = KeptLease(self._client, self._config.lease_ttl_s,
                                    on_lost=self.mirror.wake)
@@ -122,14 +147,40 @@ class EtcdRendezvous:
 
     def plan(self, number: int) -> p.Plan | None:
         kv = self.mirror.get(p.plan_key(self.prefix, number))
-        return p.Plan.from_json(kv.value) if kv else None
+        return self._decode(kv, lambda kv: p.Plan.from_json(kv.value)) if kv else None
 
     def _joiners(self, number: int) -> list[p.Joiner]:
-        return [p.Joiner.from_json(kv.value, kv.create_revision)
-                for kv in self.mirror.under(p.join_prefix(self.prefix, number))]
+        return [self._decode(kv, lambda kv: p.Joiner.from_json(kv.value, kv.create_revision))
+                for kv in self.mirror.children(p.join_prefix(self.prefix, number))]
 
     def _live_nodes(self) -> set[str]:
-        return {p.node_id_from_key(kv.key) for kv in self.mirror.under(p.nodes_prefix(self.prefix))}
+        return {p.node_id_from_key(kv.key)
+                for kv in self.mirror.children(p.nodes_prefix(self.prefix))}
+
+    def _registrations(self) -> dict[str, float]:
+        """Live nodes and the wall-clock time each registered."""
+        return {p.node_id_from_key(kv.key): self._decode(kv, _registered_at)
+                for kv in self.mirror.children(p.nodes_prefix(self.prefix))}
+
+    def _decode(self, kv, parse):
+        cached = self._decoded.get(kv.key)
+        if cached is not None and cached[0] == kv.mod_revision:
+            return cached[1]
+        value = parse(kv)
+        self._decoded[kv.key] = (kv.mod_revision, value)
+        return value
+
+    def _forget_rounds_before(self, number: int) -> None:
+        """Drop parsed joins of rounds that can no longer matter (memory stays O(N))."""
+        stale = [key for key in self._decoded
+                 if key.startswith(f"{self.prefix}rounds/")
+                 and int(key[len(self.prefix) + 7:].split("/", 1)[0]) < number - 1]
+        for key in stale:
+            del self._decoded[key]
+        for per_round in (self._min_met_at, self._opened_at, self._first_joiner,
+                          self._closable_since):
+            for old in [n for n in per_round if n < number - 1]:
+                del per_round[old]
 
     # ---- transactions -----------------------------------------------------------
     def _cas_round(self, seen: RoundView | None, new: p.RoundState, *extra: Put) -> bool:
@@ -200,8 +251,8 @@ class EtcdRendezvous:
             outcome = self._step(previous, cause, deadline)
             if isinstance(outcome, p.Plan):
                 return outcome
-            if outcome is not None:
-                self.mirror.wait(outcome, generation)
+            if outcome is not None and self.mirror.wait(outcome, generation):
+                time.sleep(min(MAX_BATCH_S, BATCH_S_PER_NODE * self._live_count))
 
     def _step(self, previous: p.Plan | None, cause: str, deadline: float):
         """One evaluation: return a Plan, a wait in seconds, or None to re-evaluate now."""
@@ -218,6 +269,9 @@ class EtcdRendezvous:
         if previous is not None and state.number <= previous.round:
             self.open_next(seen, cause)
             return None
+        if state.number > self._newest_round_seen:
+            self._newest_round_seen = state.number
+            self._forget_rounds_before(state.number)
         if state.state == p.OPEN:
             return self._in_open_round(seen, deadline)
         plan = self.plan(state.number)
@@ -225,10 +279,20 @@ class EtcdRendezvous:
             return 0.1  # our copy lags the closing transaction by a moment
         if plan.member(self.node_id):
             return plan
-        if self._has_room(plan):
-            self.open_next(seen, "newcomer")
-            return None
-        return 1.0  # standby: the run is full; a leaving member opens a round
+        if not self._has_room(plan):
+            return 1.0  # standby: the run is full; a leaving member opens a round
+        wait = self._newcomer_wait(plan)
+        if wait > 0:
+            return wait
+        self.open_next(seen, "newcomer")
+        return None
+
+    def _newcomer_wait(self, plan: p.Plan) -> float:
+        now = time.time()
+        registered = self._registrations()
+        others = [at for node, at in registered.items() if node != self.node_id]
+        return p.newcomer_wait(now, registered.get(self.node_id, now), others,
+                               self._config.settle_s, self._config.settle_max_s)
 
     def _has_room(self, plan: p.Plan) -> bool:
         """Could this node join the plan without exceeding --max-nodes/--max-workers?"""
@@ -238,29 +302,59 @@ class EtcdRendezvous:
 
     def _in_open_round(self, seen: RoundView, deadline: float):
         number = seen.state.number
-        joiners = self._joiners(number)
-        if self.node_id not in {j.node_id for j in joiners}:
+        if self.mirror.get(p.join_key(self.prefix, number, self.node_id)) is None:
             self._join(seen)
             return None
+        wait = self._wait_without_looking(number)
+        if wait is not None:
+            return wait
+        inputs, timers, previous = self._look_at_open_round(number, deadline)
         now = time.monotonic()
+        if p.may_close(inputs):
+            backup_left = self._backup_closer_wait(number, now)
+            if backup_left > 0:
+                timers.append(backup_left)
+            elif inputs.joined < self._config.max_nodes and self._copy_lags(number):
+                return 0.2
+            else:
+                self._close(seen, self._joiners(number), previous)
+                return None
+        waits = [w for w in timers if w > 0]
+        self._last_look = _OpenRoundLook(
+            number, inputs.joined, self.mirror.census(p.nodes_prefix(self.prefix))[1],
+            number in self._min_met_at, now + min(waits, default=float("inf")))
+        return min(waits + [1.0])
+
+    def _look_at_open_round(self, number: int, deadline: float):
+        """Read our copy once: the close rule's inputs and the timers that can change them."""
+        joiner_kvs = self.mirror.children(p.join_prefix(self.prefix, number))
+        joined = {p.node_id_from_key(kv.key) for kv in joiner_kvs}
+        # Parsing every join record is only needed to count workers (and to close).
+        workers = (sum(j.nproc for j in self._joiners(number))
+                   if self._config.min_workers or self._config.max_workers else len(joined))
+        now, wall = time.monotonic(), time.time()
         opened_at = self._opened_at.setdefault(number, now)
-        if len(joiners) >= self._config.min_nodes and \
-                sum(j.nproc for j in joiners) >= self._config.min_workers:
-            self._min_met_at.setdefault(number, now)
+        if len(joined) >= self._config.min_nodes and workers >= self._config.min_workers:
+            self._min_met_at.setdefault(number, wall)
         elif now >= deadline:
             raise RendezvousTimeout(
-                f"only {len(joiners)} of --min-nodes {self._config.min_nodes} node(s) joined "
+                f"only {len(joined)} of --min-nodes {self._config.min_nodes} node(s) joined "
                 f"run {self._config.run_id!r} within --join-timeout "
                 f"{self._config.join_timeout_s:g} s; start more nodes or lower --min-nodes"
             )
         previous = self.plan(number - 1) if number > 0 else None
+        registered = self._registrations()
+        live = set(registered)
+        self._live_count = len(live)
+        self._first_joiner[number] = min(joiner_kvs, key=lambda kv: kv.create_revision).key
         min_met = self._min_met_at.get(number)
-        settle_left = None if min_met is None else min_met + self._config.settle_s - now
-        live, joined = self._live_nodes(), {j.node_id for j in joiners}
+        settle_left = None if min_met is None else p.settle_remaining(
+            wall, min_met, max(registered.values(), default=0.0), self._config.settle_s,
+            self._config.settle_max_s, live_unjoined=not live <= joined)
         drain_left = opened_at + self._config.drain_timeout_s - now
         inputs = p.CloseInputs(
-            joined=len(joiners), min_nodes=self._config.min_nodes,
-            max_nodes=self._config.max_nodes, workers=sum(j.nproc for j in joiners),
+            joined=len(joined), min_nodes=self._config.min_nodes,
+            max_nodes=self._config.max_nodes, workers=workers,
             min_workers=self._config.min_workers, max_workers=self._config.max_workers,
             all_live_joined=live <= joined,
             first_round=previous is None,
@@ -268,11 +362,59 @@ class EtcdRendezvous:
             members_draining=bool(previous) and bool(
                 (set(previous.node_ids) & live) - joined) and drain_left > 0,
         )
-        if p.may_close(inputs):
-            self._close(seen, joiners, previous)
+        timers = [w for w in (deadline - now, drain_left, settle_left) if w is not None]
+        return inputs, timers, previous
+
+    def _backup_closer_wait(self, number: int, now: float) -> float:
+        """Seconds before this agent may close a closable round; 0 for the first joiner.
+
+        Only one transaction can close a round; with every agent trying at once, a
+        thousand agents sent a thousand doomed transactions (and read etcd's counts
+        a thousand times) per round. The round's first joiner closes it; the others
+        step in after --settle in case it is slow or hung (a dead one loses its join
+        key with its lease, and the next joiner becomes the first).
+        """
+        if self._first_joiner.get(number) == p.join_key(self.prefix, number, self.node_id):
+            return 0.0
+        closable_since = self._closable_since.setdefault(number, now)
+        return closable_since + self._config.settle_s - now
+
+    def _copy_lags(self, number: int) -> bool:
+        """Before closing, check our copy against etcd's counts of joiners and nodes.
+
+        The close transaction guards the round key only, so a closer whose watch
+        lags (a busy host) would leave out nodes that joined moments ago, and
+        they would open yet another round. Two count-only reads per close
+        attempt; on a mismatch, evaluate again once the watch caught up.
+        """
+        directories = (p.join_prefix(self.prefix, number), p.nodes_prefix(self.prefix))
+        in_etcd = [self._client.count_prefix(directory) for directory in directories]
+        if in_etcd == [self.mirror.census(directory)[0] for directory in directories]:
+            return False
+        self._last_look = None
+        return True
+
+    def _wait_without_looking(self, number: int) -> float | None:
+        """Seconds to wait on when nothing since the last evaluation can close the round.
+
+        While hundreds of nodes join, every join wakes every agent; re-reading all
+        joiners each time made a round cost O(N^3) work in all. Counts rule most
+        wake-ups out: the round can only close once the joiners reach the live
+        nodes or --max-nodes, when a node leaves, when the minimum is first met
+        (or --max-workers may be reached), or when a timer runs out.
+        """
+        look = self._last_look
+        if look is None or look.number != number:
             return None
-        waits = [w for w in (deadline - now, drain_left, settle_left) if w is not None and w > 0]
-        return min(waits + [1.0])
+        joined, _ = self.mirror.census(p.join_prefix(self.prefix, number))
+        live, departures = self.mirror.census(p.nodes_prefix(self.prefix))
+        left = look.recheck_at - time.monotonic()
+        if left <= 0 or departures != look.departures or joined >= live or \
+                joined >= self._config.max_nodes:
+            return None
+        if joined != look.joined and (not look.min_met or self._config.max_workers):
+            return None
+        return min(left, 1.0)
 
     def _close(self, seen: RoundView, joiners: list[p.Joiner], previous: p.Plan | None) -> None:
         number = seen.state.number
@@ -305,12 +447,24 @@ class EtcdRendezvous:
             return "the job failed"
         if seen.state.state == p.FINISHED:
             return None
+        departures = self.mirror.census(p.nodes_prefix(self.prefix))[1]
+        if self._members_checked == (plan.round, departures):
+            return None  # no node key deleted since every member was seen live
         live = self._live_nodes()
         lost = [node for node in plan.node_ids if node not in live]
         if lost:
             self.open_next(seen, f"member-lost: {','.join(lost)}")
             return f"member(s) lost: {', '.join(lost)}"
+        self._members_checked = (plan.round, departures)
         return None
+
+
+def _registered_at(kv) -> float:
+    """A node key's registration time; 0 for records written before it was kept."""
+    try:
+        return float(json.loads(kv.value).get("registered_at", 0.0))
+    except (ValueError, TypeError, AttributeError):
+        return 0.0
 
 
 def describe_exit(failure: dict) -> str:

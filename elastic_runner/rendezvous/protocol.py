@@ -12,10 +12,16 @@ Choices written down here:
   newcomers follow in the order they joined (etcd create revision).
 - A round closes when it holds --max-nodes joiners; or, after the first round,
   as soon as every live registered node has joined (a re-formation needs no wait
-  when nobody else is coming); or when --min-nodes is met and the settle time
-  has passed since this agent saw it met, unless live members of the previous
-  plan are still missing and the drain timeout (they may be checkpointing for
-  this very resize) has not passed.
+  when nobody else is coming); or when --min-nodes is met, every live node has
+  joined and none has registered for the settle time (all capped at
+  --settle-max after the minimum was met), unless live members of the previous plan are still missing and the
+  drain timeout (they may be checkpointing for this very resize) has not passed.
+- A node that finds itself outside a closed plan with room opens the next round
+  at once when no other node registered within the settle time, but during a
+  burst of arrivals it waits for that quiet: a burst costs two re-formations
+  (its first arrival's, then everyone else's), not one per node. Registration times are the nodes' own
+  wall clocks, recorded in their node keys; skew only shifts a wait, and
+  --settle-max bounds it.
 - A restart is counted only when workers failed and no member was lost: a crash
   that follows from a node vanishing is a membership change, not a failure.
 """
@@ -290,6 +296,38 @@ def may_close(inputs: CloseInputs) -> bool:
     if inputs.all_live_joined and not inputs.first_round:
         return True
     return inputs.settle_elapsed and not inputs.members_draining
+
+
+def settle_remaining(now: float, min_met_at: float, last_arrival_at: float,
+                     settle_s: float, settle_max_s: float, live_unjoined: bool = False) -> float:
+    """Seconds before a round that met its minimum at `min_met_at` may close.
+
+    The round waits for `settle_s` of quiet after the later of the minimum being
+    met and the newest registration, and while a registered (so live) node has
+    not joined yet: it is on its way, and closing without it costs everyone
+    another round. Never past `settle_max_s` after the minimum was met: a steady
+    trickle of arrivals, or a node that never joins, must not hold it open forever.
+    """
+    cap = min_met_at + settle_max_s
+    if live_unjoined:
+        return cap - now
+    return min(max(min_met_at, last_arrival_at) + settle_s, cap) - now
+
+
+def newcomer_wait(now: float, registered_at: float, others_registered_at: list[float],
+                  settle_s: float, settle_max_s: float) -> float:
+    """Seconds a node outside a closed plan waits before opening the next round.
+
+    `others_registered_at` are the registration times of every other live node,
+    members included. When none registered within `settle_s`, it opens at once
+    (a lone newcomer pays no wait); during a burst it waits for that much quiet,
+    so the burst's first arrival costs one round and all later ones a second,
+    bounded by `settle_max_s` after its own registration.
+    """
+    if not others_registered_at:
+        return 0.0
+    return max(0.0, min(max(others_registered_at) + settle_s,
+                        registered_at + settle_max_s) - now)
 
 
 def counts_as_restart(failed: bool, previous: tuple[str, ...], members: tuple[str, ...]) -> bool:

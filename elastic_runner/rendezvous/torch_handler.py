@@ -10,7 +10,9 @@ agent, transactional round closing) into an unmodified torchrun:
 
 `--rdzv-conf` keys (all optional; values arrive as strings):
   lease_ttl      node lease TTL, s (5): a dead node is noticed within this time
-  settle         s (2): once --nnodes' minimum joined, wait this long for more
+  settle         s (2): once --nnodes' minimum joined, close after this long
+                 with no new node
+  settle_max     s (30): longest a stream of arrivals holds a round open
   join_timeout   s: rendezvous gives up below the minimum after this long;
                  default: `timeout`, which torchrun always sets (900 unless
                  --rdzv-timeout / rdzv-conf timeout says otherwise)
@@ -62,7 +64,7 @@ FINGERPRINT = "torchrun"
 # torchrun counts worker failures against --max-restarts itself and this handler
 # never reports one, so the protocol's own restart limit is never reached.
 _MAX_RESTARTS_UNUSED = 0
-KNOWN_CONFIG = {"lease_ttl", "settle", "join_timeout", "timeout", "store_timeout",
+KNOWN_CONFIG = {"lease_ttl", "settle", "settle_max", "join_timeout", "timeout", "store_timeout",
                 "etcd_timeout", "node_id", "local_addr", "master_port", "nproc",
                 "cacert", "cert", "key"}
 
@@ -238,6 +240,7 @@ def rendezvous_config(params: RendezvousParameters) -> RendezvousConfig:
         min_nodes=params.min_nodes, max_nodes=params.max_nodes,
         lease_ttl_s=max(int(_number(params, "lease_ttl", 5)), 1),
         join_timeout_s=join_timeout, settle_s=_number(params, "settle", 2.0),
+        settle_max_s=max(_number(params, "settle_max", 30.0), _number(params, "settle", 2.0)),
         node_addr=params.local_addr or params.get("local_addr") or socket.getfqdn(),
         master_port=port or None, nproc=max(int(_number(params, "nproc", 1)), 1),
     )

@@ -8,7 +8,7 @@ import pytest
 
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import EtcdUnavailable
-from elastic_runner.etcd.client import EtcdClient, Put, key_missing, mod_revision_is
+from elastic_runner.etcd.client import Delete, EtcdClient, Put, key_missing, mod_revision_is
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
 
@@ -61,6 +61,30 @@ def test_mirror_follows_the_prefix_across_a_server_restart(etcd_any_version):
     client.txn([key_missing("/m/gone")], [Put("/m/gone", b"x")])
     assert mirror.wait_until(lambda: mirror.get("/m/gone") is not None, timeout_s=15)
     assert sorted(kv.key for kv in mirror.under("/m/")) == ["/m/after", "/m/before", "/m/gone"]
+    mirror.stop()
+    client.close()
+
+
+def test_mirror_indexes_directories_and_counts_departures(etcd):
+    client = make_client(etcd.endpoint)
+    for name in ("a", "b", "c"):
+        client.put(f"/d/nodes/{name}", b"1")
+    client.put("/d/rounds/0/join/a", b"j")
+    client.put("/d/round", b"r")
+    mirror = PrefixMirror(client, "/d/")
+    mirror.start()
+    assert [kv.key for kv in mirror.children("/d/nodes/")] == \
+        ["/d/nodes/a", "/d/nodes/b", "/d/nodes/c"]
+    assert mirror.children("/d/") == [mirror.get("/d/round")]  # direct children only
+    assert mirror.census("/d/nodes/") == (3, 0)
+    deleted = client.txn([], [Delete("/d/nodes/b")]).revision
+    added = client.put("/d/nodes/d", b"1")
+    assert mirror.wait_revision(max(deleted, added), timeout_s=5)
+    assert mirror.census("/d/nodes/") == (3, 1)  # same count, but someone left
+    assert [kv.key for kv in mirror.children("/d/nodes/")] == \
+        ["/d/nodes/a", "/d/nodes/c", "/d/nodes/d"]
+    assert mirror.census("/d/rounds/0/join/") == (1, 0)
+    assert mirror.census("/d/missing/") == (0, 0)
     mirror.stop()
     client.close()
 

@@ -305,3 +305,40 @@ def test_round_keys_differ_per_round_and_node(r1, r2, n1, n2):
         assert (make(prefix, r1) == make(prefix, r2)) is (r1 == r2)
     assert (p.join_key(prefix, r1, n1) == p.join_key(prefix, r2, n2)) is (r1 == r2 and n1 == n2)
     assert (p.node_key(prefix, n1) == p.node_key(prefix, n2)) is (n1 == n2)
+
+
+# ---- settle_remaining / newcomer_wait ---------------------------------------------
+@pytest.mark.parametrize("now, last_arrival, live_unjoined, expected", [
+    (10.0, 0.0, False, 2.0),     # minimum met at 10, nobody since: settle from then
+    (12.0, 0.0, False, 0.0),     # ... and it has passed
+    (12.0, 11.5, False, 1.5),    # an arrival at 11.5 restarts the quiet period
+    (12.0, 11.5, True, 28.0),    # a registered node has not joined: wait for it, to the cap
+    (39.0, 38.9, False, 1.0),    # arrivals keep coming: the cap at 10 + 30 still holds
+    (41.0, 40.5, False, -1.0),
+    (41.0, 0.0, True, -1.0),     # a node that never joins holds the round only to the cap
+])
+def test_settle_remaining_table(now, last_arrival, live_unjoined, expected):
+    left = p.settle_remaining(now, 10.0, last_arrival, 2.0, 30.0, live_unjoined)
+    assert left == pytest.approx(expected)
+
+
+@PROPS
+@given(st.floats(0, 100), st.floats(0, 100), st.floats(0, 100), st.floats(0.1, 10),
+       st.floats(0, 60), st.booleans())
+def test_settle_never_runs_past_the_cap(min_met, last_arrival, elapsed, settle, extra,
+                                        live_unjoined):
+    settle_max = settle + extra
+    now = min_met + elapsed
+    left = p.settle_remaining(now, min_met, last_arrival, settle, settle_max, live_unjoined)
+    assert now + left <= min_met + settle_max + 1e-9
+    if not live_unjoined and last_arrival <= min_met:
+        assert now + left == pytest.approx(min_met + min(settle, settle_max))
+
+
+def test_a_newcomer_alone_opens_at_once_a_burst_waits_for_quiet():
+    assert p.newcomer_wait(100.0, 99.0, [], 2.0, 30.0) == 0.0
+    assert p.newcomer_wait(100.0, 99.0, [10.0, 20.0], 2.0, 30.0) == 0.0  # members from long ago
+    assert p.newcomer_wait(100.0, 99.0, [99.5], 2.0, 30.0) == pytest.approx(1.5)
+    # a steady stream of arrivals: bounded by --settle-max after our own registration
+    assert p.newcomer_wait(128.0, 99.0, [127.9], 2.0, 30.0) == pytest.approx(1.0)
+    assert p.newcomer_wait(130.0, 99.0, [129.9], 2.0, 30.0) == 0.0
