@@ -1,15 +1,23 @@
-"""Rendezvous at scale: N simulated agents (threads) against one real etcd, side by
-side with torch's DynamicRendezvousHandler over a c10d TCPStore.
+"""Rendezvous at scale: N simulated agents against one real etcd, side by side with
+torch's DynamicRendezvousHandler over a c10d TCPStore.
 
-elastic-run: each simulated agent is an EtcdRendezvous with its own etcd client
-(one gRPC channel, one watch, one kept lease), exactly as an agent holds them;
-`register()` then `next_plan()`. Time = from the common start until every agent
-holds the same closed plan. Then, at the largest N, every agent runs the agent's
-monitor loop (change_reason / mirror wait, 0.1 s) and one agent leaves (lease
-revoked, as on SIGTERM) and later one joins: time until all hold the next agreed
-plan. etcd requests = delta of etcd's own Prometheus counter
-grpc_server_msg_received_total (every gRPC request message: Range, Txn, Put,
-LeaseGrant, LeaseKeepAlive, watch creates ...), per round and per agent.
+elastic-run: each simulated agent is an EtcdRendezvous (its own lease, watch and
+mirror), exactly as an agent holds them; `register()` then `next_plan()`. With
+--processes P the agents are threads spread over P processes, and each process's
+agents share one gRPC channel (rdzv_agents.py); without, threads in this process
+with a client each. Time = from the common start until every agent holds the same
+closed plan; like a real agent, each keeps running the agent's monitor loop
+(change_reason / mirror wait, 0.1 s) after its first plan. Then, at every N, one
+agent leaves (lease revoked, as on SIGTERM) and later one joins: time until all hold
+the next agreed plan. Per phase: rounds it took, CPU per agent (the agents'
+processes' CPU from /proc divided by N), etcd's CPU, and etcd requests = delta of
+etcd's own Prometheus counter grpc_server_msg_received_total (Range, Txn, Put,
+LeaseGrant, LeaseKeepAlive, watch creates ...), per agent per round.
+
+All N agents share this machine's cores, so elastic-run's wall times here are about
+N x (CPU per agent) / cores; at N=1024 on 2 cores the lease keep-alives of agents
+starved of CPU took 20-30 s, so that size needs --lease-ttl 120 (a leave revokes its
+lease, so the TTL does not enter the figures).
 
 torch: each simulated agent is a DynamicRendezvousHandler (torch defaults:
 last call 30 s, close 30 s, keep-alive 5 s x 3) on a C10dRendezvousBackend with its
@@ -20,125 +28,30 @@ workers fail; a join is a newcomer whose presence the members notice by polling
 num_nodes_waiting() every 0.1 s (torchrun's monitor interval). Requests =
 backend get_state/set_state calls (each one reads or writes the whole state).
 
-    /work/venv/bin/python bench/rendezvous_scale.py                # N = 8, 64, 256
-    /work/venv/bin/python bench/rendezvous_scale.py --big          # adds N = 1024
+    /work/venv/bin/python bench/rendezvous_scale.py --processes 8                # N = 8, 64, 256
+    /work/venv/bin/python bench/rendezvous_scale.py --processes 8 --big --lease-ttl 120
     /work/venv/bin/python bench/rendezvous_scale.py --sizes 8,64 --no-torch
 """
-
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import threading
 import time
-import urllib.request
 from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c  # noqa: E402
+from rdzv_agents import (  # noqa: E402
+    Meter, ProcessGroupAgents, SimAgent, delta, last_registration, metrics, wait_agreed,
+)
 
 os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no per-round MASTER_ADDR servers
 
 
-def metrics(endpoint: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("grpc_server_msg_received_total{"):
-            method = re.search(r'grpc_method="([^"]+)"', line).group(1)
-            out[method] = out.get(method, 0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def delta(a: dict, b: dict) -> dict:
-    d = {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b)}
-    return {k: int(v) for k, v in sorted(d.items()) if v}
-
-
 # ---- elastic-run -----------------------------------------------------------------
-class SimAgent:
-    def __init__(self, endpoint: str, run_id: str, node: str, max_nodes: int, settle: float,
-                 ttl: int):
-        from elastic_runner.config import EtcdConfig, RendezvousConfig
-        from elastic_runner.etcd.client import EtcdClient
-        from elastic_runner.rendezvous.handler import EtcdRendezvous
-        from elastic_runner.rendezvous.protocol import JobSpec
-        self.client = EtcdClient(EtcdConfig((endpoint,), timeout_s=30.0, retry_deadline_s=60.0))
-        cfg = RendezvousConfig(run_id=run_id, node_id=node, min_nodes=1, max_nodes=max_nodes,
-                               lease_ttl_s=ttl, settle_s=settle, join_timeout_s=300)
-        self.rdzv = EtcdRendezvous(self.client, cfg, JobSpec(1, max_nodes, "bench"), 3)
-        self.plans: list[tuple[float, int, tuple]] = []
-        self.on_plan = None  # set in --processes mode: reports each plan to the parent
-        self.stop = threading.Event()
-        self.error: str | None = None
-
-    def run(self, go: float, monitor: bool) -> None:
-        try:
-            time.sleep(max(0.0, go - time.time()))
-            self.rdzv.register()
-            plan = self.rdzv.next_plan(None, "start")
-            self._record(plan)
-            while monitor and not self.stop.is_set():
-                gen = self.rdzv.mirror.generation
-                reason = self.rdzv.change_reason(plan)
-                if reason:
-                    plan = self.rdzv.next_plan(plan, reason)
-                    self._record(plan)
-                else:
-                    self.rdzv.mirror.wait(0.1, gen)
-        except Exception as exc:  # noqa: BLE001
-            if not self.stop.is_set():
-                self.error = f"{type(exc).__name__}: {exc}"
-
-    def _record(self, plan) -> None:
-        self.plans.append((time.time(), plan.round, plan.node_ids))
-        if self.on_plan is not None:
-            self.on_plan(self.plans[-1])
-
-    def close(self, leave: bool) -> None:
-        self.stop.set()
-        self.rdzv.shutdown.set()
-        try:
-            if leave:
-                self.rdzv.leave()
-            else:
-                if self.rdzv.lease:
-                    self.rdzv.lease.stop()
-                self.rdzv.mirror.stop()
-        except Exception:  # noqa: BLE001
-            pass
-        self.rdzv.mirror.wake()
-
-
-def agreed(agents, size: int, after_round: int):
-    """(time, round) once every agent's newest plan is the same round > after_round with
-    `size` members; else None."""
-    last = [a.plans[-1] if a.plans else None for a in agents]
-    if any(p is None or p[1] <= after_round for p in last):
-        return None
-    rounds = {p[1] for p in last}
-    members = {p[2] for p in last}
-    if len(rounds) == 1 and len(members) == 1 and len(next(iter(members))) == size:
-        return max(p[0] for p in last), rounds.pop()
-    return None
-
-
-def wait_agreed(agents, size, after_round, timeout):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = agreed(agents, size, after_round)
-        if got:
-            return got
-        errors = [a.error for a in agents if a.error]
-        if errors:
-            return None
-        time.sleep(0.02)
-    return None
-
-
 def elastic_size(endpoint: str, n: int, churn: bool, args) -> dict:
     run_id = f"scale-{n}-{os.getpid()}-{int(time.time())}"
     t_build = time.time()
@@ -147,7 +60,7 @@ def elastic_size(endpoint: str, n: int, churn: bool, args) -> dict:
     build_s = time.time() - t_build
     go = time.time() + 0.5
     m0 = metrics(endpoint)
-    threads = [threading.Thread(target=a.run, args=(go, churn), daemon=True) for a in agents]
+    threads = [threading.Thread(target=a.run, args=(go, True), daemon=True) for a in agents]
     for t in threads:
         t.start()
     got = wait_agreed(agents, n, -1, args.timeout)
@@ -196,121 +109,46 @@ def elastic_size(endpoint: str, n: int, churn: bool, args) -> dict:
     return res
 
 
-# ---- elastic-run, agents spread over processes --------------------------------------
-def _group_main(endpoint, run_id, names, max_nodes, settle, ttl, go, monitor, updates,
-                commands) -> None:
-    """One child process: its share of the simulated agents, as threads."""
-    agents = {}
-    for name in names:
-        agent = SimAgent(endpoint, run_id, name, max_nodes, settle, ttl)
-        agent.on_plan = lambda plan, name=name: updates.put((name, plan[0], plan[1], plan[2]))
-        agents[name] = agent
-    for agent in agents.values():
-        threading.Thread(target=agent.run, args=(go, monitor), daemon=True).start()
-    while True:
-        command = commands.recv()
-        if command[0] == "leave":
-            agents[command[1]].close(leave=True)
-        else:
-            break
-    for agent in agents.values():
-        agent.close(leave=False)
-    os._exit(0)
-
-
-class ProcessGroupAgents:
-    """The parent's view: the newest plan each agent reported through a queue."""
-
-    def __init__(self, endpoint: str, run_id: str, n: int, processes: int, args, monitor: bool):
-        import multiprocessing
-
-        context = multiprocessing.get_context("spawn")  # no gRPC state inherited by fork
-        self.updates = context.Queue()
-        self.names = [f"s{i:04d}" for i in range(n)]
-        self.last: dict[str, tuple] = {}
-        self.pipes, self.children, self.owner = [], [], {}
-        go = time.time() + 3.0 + n / 200  # time for the children to import and connect
-        self.go = go
-        for index in range(processes):
-            share = self.names[index::processes]
-            parent_end, child_end = context.Pipe()
-            child = context.Process(target=_group_main, daemon=True, args=(
-                endpoint, run_id, share, n, args.settle, args.lease_ttl, go, monitor,
-                self.updates, child_end))
-            child.start()
-            self.pipes.append(parent_end)
-            self.children.append(child)
-            self.owner.update({name: parent_end for name in share})
-
-    def drain(self) -> None:
-        while True:
-            try:
-                name, at, number, members = self.updates.get_nowait()
-            except Exception:  # queue.Empty
-                return
-            self.last[name] = (at, number, tuple(members))
-
-    def wait_agreed(self, names, size: int, after_round: int, timeout: float):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            self.drain()
-            last = [self.last.get(name) for name in names]
-            if all(p is not None and p[1] > after_round for p in last):
-                if len({p[1] for p in last}) == 1 and len({p[2] for p in last}) == 1 \
-                        and len(last[0][2]) == size:
-                    return max(p[0] for p in last), last[0][1]
-            time.sleep(0.05)
-        return None
-
-    def leave(self, name: str) -> None:
-        self.owner[name].send(("leave", name))
-
-    def stop(self) -> None:
-        for pipe in self.pipes:
-            try:
-                pipe.send(("stop",))
-            except OSError:
-                pass
-        for child in self.children:
-            child.join(timeout=20)
-            if child.is_alive():
-                child.kill()
-
-
 def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
+    """Start, then (churn) one leave and one join; each phase timed, counted and CPU-metered."""
     run_id = f"scale-{n}-{os.getpid()}-{int(time.time())}"
-    m0 = metrics(endpoint)
-    group = ProcessGroupAgents(endpoint, run_id, n, args.processes, args, churn)
     res = {"n": n, "processes": args.processes}
+    group = ProcessGroupAgents(endpoint, run_id, n, args.processes, args, True)
+    meter = Meter(endpoint, [child.pid for child in group.children], args.etcd_pid)
     try:
+        m0 = meter.read()
         got = group.wait_agreed(group.names, n, -1, args.timeout + (group.go - time.time()))
-        m1 = metrics(endpoint)
-        res.update(start_s=got[0] - group.go if got else None, start_requests=delta(m0, m1))
-        res["start_requests_total"] = sum(res["start_requests"].values())
+        res.update(meter.phase("start", m0, meter.read(), n, got[1] + 1 if got else 0))
+        res["start_s"] = got[0] - group.go if got else None
         res["start_requests_per_agent"] = res["start_requests_total"] / n
+        res["start_last_registration_s"] = last_registration(endpoint, run_id) - group.go
         if got and churn:
             time.sleep(2.0)
             leaver = group.names[n // 2]
             rest = [name for name in group.names if name != leaver]
-            m2, t_leave = metrics(endpoint), time.time()
+            m2 = meter.read()
             group.leave(leaver)
             got2 = group.wait_agreed(rest, n - 1, got[1], args.timeout)
-            m3 = metrics(endpoint)
-            res.update(leave_s=got2[0] - t_leave if got2 else None, leave_requests=delta(m2, m3))
-            res["leave_requests_total"] = sum(res["leave_requests"].values())
+            res.update(meter.phase("leave", m2, meter.read(), n - 1,
+                                   got2[1] - got[1] if got2 else 0))
+            res["leave_s"] = got2[0] - m2[0] if got2 else None
             if got2:
                 time.sleep(2.0)
                 newcomer = SimAgent(endpoint, run_id, "new0", n, args.settle, args.lease_ttl)
-                m4, t_join = metrics(endpoint), time.time()
-                threading.Thread(target=newcomer.run, args=(t_join, True), daemon=True).start()
                 newcomer.on_plan = lambda plan: group.updates.put(("new0", *plan))
+                m4 = meter.read()
+                threading.Thread(target=newcomer.run, args=(m4[0], True), daemon=True).start()
                 got3 = group.wait_agreed(rest + ["new0"], n, got2[1], args.timeout)
-                m5 = metrics(endpoint)
-                res.update(join_s=got3[0] - t_join if got3 else None,
-                           join_requests=delta(m4, m5))
-                res["join_requests_total"] = sum(res["join_requests"].values())
+                res.update(meter.phase("join", m4, meter.read(), n,
+                                       got3[1] - got2[1] if got3 else 0))
+                res["join_s"] = got3[0] - m4[0] if got3 else None
                 newcomer.close(leave=False)
     finally:
+        group.drain()
+        res["errors"] = sorted(f"{name}: {error}" for name, error in group.errors.items())[:3]
+        if res.get("start_s") is None:
+            res["start_agents_without_plan"] = len(set(group.names) - set(group.last))
+            res["start_rounds_seen"] = sorted({plan[1] for plan in group.last.values()})
         group.stop()
     return res
 
@@ -393,7 +231,7 @@ def torch_size(n: int, churn: bool, args) -> dict:
     agents = [TorchAgent(port, run_id, n, counter, lock, args) for _ in range(n)]
     build_s = time.time() - t_build
     go = time.time() + 0.5
-    threads = [threading.Thread(target=a.run, args=(go, churn, ev), daemon=True)
+    threads = [threading.Thread(target=a.run, args=(go, True, ev), daemon=True)
                for a, ev in zip(agents, [threading.Event() for _ in agents])]
     flags = [t._args[2] for t in threads]
     for t in threads:
@@ -466,10 +304,11 @@ def main() -> None:
     started = time.time()
     er_res, tr_res, servers = {}, {}, []
     with EmbeddedEtcd() as etcd:
+        args.etcd_pid = etcd.process.pid
         for n in sizes:
             print(f"elastic-run N={n} ...", flush=True)
             measure = elastic_size_processes if args.processes else elastic_size
-            er_res[n] = measure(etcd.endpoint, n, n == largest, args)
+            er_res[n] = measure(etcd.endpoint, n, True, args)
             print(f"  {er_res[n]}", flush=True)
     if not args.no_torch:
         for n in sizes:
@@ -477,29 +316,32 @@ def main() -> None:
                 tr_res[n] = {"n": n, "skipped": f"above --torch-max {args.torch_max}"}
                 continue
             print(f"torch N={n} ...", flush=True)
-            tr_res[n] = torch_size(n, n == min(largest, args.torch_max), args)
+            tr_res[n] = torch_size(n, True, args)
             servers.append(tr_res[n].pop("_server"))
             print(f"  {tr_res[n]}", flush=True)
 
     rows = []
-    for n in sizes:
-        e, t = er_res[n], tr_res.get(n, {})
-        r = c.ratio(e.get("start_s"), t.get("start_s"))
-        rows.append([f"start, N={n}", c.fmt(e.get("start_s"), "s", 2),
-                     f"{e.get('start_requests_total', 0)} ({e.get('start_requests_per_agent', 0):.1f}/agent)",
-                     t.get("skipped") or c.fmt(t.get("start_s"), "s", 2),
-                     f"{t.get('start_requests_total', 0)} ({t.get('start_requests_per_agent', 0):.1f}/agent)"
-                     if "start_requests_total" in t else "n/a",
-                     f"{r:.2f}" if r else "n/a"])
-    for ev in ("leave", "join"):
-        e = er_res[largest]
-        nt = min(largest, args.torch_max)
-        t = tr_res.get(nt, {})
-        r = c.ratio(e.get(f"{ev}_s"), t.get(f"{ev}_s"))
-        rows.append([f"one {ev} at N={largest}" + (f" (torch N={nt})" if nt != largest else ""),
-                     c.fmt(e.get(f"{ev}_s"), "s", 2), str(e.get(f"{ev}_requests_total", "n/a")),
-                     c.fmt(t.get(f"{ev}_s"), "s", 2) if t else "n/a",
-                     str(t.get(f"{ev}_requests_total", "n/a")), f"{r:.2f}" if r else "n/a"])
+    for event in ("start", "leave", "join"):
+        for n in sizes:
+            e, t = er_res[n], tr_res.get(n, {})
+            if f"{event}_s" not in e and event != "start":
+                continue
+            r = c.ratio(e.get(f"{event}_s"), t.get(f"{event}_s"))
+            rounds = e.get(f"{event}_rounds")
+            cpu = e.get(f"{event}_agent_cpu_ms_per_agent")
+            per_round = e.get(f"{event}_requests_per_agent_round")
+            etcd_cpu = e.get(f"{event}_etcd_cpu_s")
+            tr_total = t.get(f"{event}_requests_total")
+            rows.append([
+                f"{event}, N={n}", c.fmt(e.get(f"{event}_s"), "s", 2),
+                str(rounds) if rounds is not None else "-",
+                f"{cpu:.0f} ms" if cpu is not None else "-",
+                f"{etcd_cpu:.2f} s" if etcd_cpu is not None else "-",
+                f"{per_round:.1f}" if per_round is not None else
+                f"{e.get(f'{event}_requests_total', 0)} total",
+                t.get("skipped") or (c.fmt(t.get(f"{event}_s"), "s", 2) if t else "n/a"),
+                f"{tr_total / n:.1f}" if tr_total else "n/a",
+                f"{r:.2g}" if r else "n/a"])
     growth = ""
     if len(sizes) >= 2:
         a, b = sizes[0], sizes[-1]
@@ -516,9 +358,14 @@ def main() -> None:
     text = (f"rendezvous_scale: simulated agents as threads {spread}, loopback; "
             f"elastic-run settle {args.settle}s, lease TTL {args.lease_ttl}s; torch defaults\n"
             f"{info['date_utc']} UTC, {info['cores']} cores, torch {info['torch']}, etcd {info['etcd']}\n\n"
-            + c.table(["event", "elastic-run (etcd)", "etcd requests", "torch c10d dynamic",
-                       "backend state reads+writes", "ratio er/torch"], rows)
-            + growth + f"\nwall time {time.time() - started:.0f}s")
+            + c.table(["event", "elastic-run (etcd)", "rounds", "CPU per agent", "etcd CPU",
+                       "etcd requests per agent per round", "torch c10d dynamic",
+                       "torch state reads+writes per agent", "ratio er/torch"], rows)
+            + growth
+            + "\nelastic-run's times are bounded by this machine: all N simulated agents share "
+            f"{info['cores']} cores, so a round takes about N x (CPU per agent) / cores; an "
+            "agent on its own machine spends the CPU per agent shown."
+            + f"\nwall time {time.time() - started:.0f}s")
     print("\n" + text)
     path = c.save("rendezvous_scale", {"args": vars(args), "env": info, "elastic_run": er_res,
                                        "torch": tr_res}, text)

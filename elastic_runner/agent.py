@@ -29,7 +29,8 @@ from elastic_runner.errors import (
 )
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.events import EVENTS_FILE, EventLog
-from elastic_runner.rendezvous.handler import EtcdRendezvous, describe_exit, failure_message
+from elastic_runner.rendezvous.failures import describe_exit, failure_message
+from elastic_runner.rendezvous.handler import EtcdRendezvous
 from elastic_runner.rendezvous.protocol import FINISHED, JobSpec, Plan, plan_problem
 from elastic_runner.workers import EXIT_FOR_RESIZE, WorkerExit, WorkerGroup
 

@@ -49,6 +49,17 @@ class PrefixMirror:
         if self._watch is not None:
             self._watch.cancel()
 
+    def resync(self) -> None:
+        """Throw the copy away and read the prefix again, then watch from there.
+
+        For a copy found to disagree with etcd: a watch that lost events (seen
+        with pyetcd when several watches share one client and a create times
+        out) would otherwise go on reporting live nodes as gone.
+        """
+        self.stop()
+        self.start()
+        self.wake()
+
     def _apply(self, events: list[WatchEvent]) -> None:
         events = [e for e in events if not self._ignore(e.key)]
         if not events:

@@ -25,6 +25,7 @@ from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
 from elastic_runner.etcd.server import free_port
 from elastic_runner.rendezvous import protocol as p
+from elastic_runner.rendezvous.failures import failure_message
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ EVENT_TTL_S = 24 * 3600
 # process restart.
 BATCH_S_PER_NODE = 0.0001
 MAX_BATCH_S = 0.05
+# A copy of etcd whose counts still disagree after this long is read again.
+RESYNC_AFTER_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class EtcdRendezvous:
         self._last_look: _OpenRoundLook | None = None
         self._first_joiner: dict[int, str] = {}
         self._closable_since: dict[int, float] = {}
+        self._lagging_since: dict[int, float] = {}
         self._members_checked: tuple[int, int] | None = None
 
     # ---- membership -------------------------------------------------------------
@@ -178,7 +182,7 @@ class EtcdRendezvous:
         for key in stale:
             del self._decoded[key]
         for per_round in (self._min_met_at, self._opened_at, self._first_joiner,
-                          self._closable_since):
+                          self._closable_since, self._lagging_since):
             for old in [n for n in per_round if n < number - 1]:
                 del per_round[old]
 
@@ -389,9 +393,16 @@ class EtcdRendezvous:
         """
         directories = (p.join_prefix(self.prefix, number), p.nodes_prefix(self.prefix))
         in_etcd = [self._client.count_prefix(directory) for directory in directories]
-        if in_etcd == [self.mirror.census(directory)[0] for directory in directories]:
-            return False
         self._last_look = None
+        if in_etcd == [self.mirror.census(directory)[0] for directory in directories]:
+            self._lagging_since.pop(number, None)
+            return False
+        lagging_since = self._lagging_since.setdefault(number, time.monotonic())
+        if time.monotonic() - lagging_since > RESYNC_AFTER_S:
+            log.warning("our copy of etcd disagrees with it for %.0f s; reading it again",
+                        RESYNC_AFTER_S)
+            self.mirror.resync()
+            self._lagging_since.pop(number, None)
         return True
 
     def _wait_without_looking(self, number: int) -> float | None:
@@ -453,10 +464,28 @@ class EtcdRendezvous:
         live = self._live_nodes()
         lost = [node for node in plan.node_ids if node not in live]
         if lost:
+            lost = self._confirm_lost(lost)
+        if lost:
             self.open_next(seen, f"member-lost: {','.join(lost)}")
             return f"member(s) lost: {', '.join(lost)}"
         self._members_checked = (plan.round, departures)
         return None
+
+    def _confirm_lost(self, lost: list[str]) -> list[str]:
+        """Members our copy misses that etcd still has mean the copy is wrong: re-read it.
+
+        One read per suspected loss (rare): tearing down a running job because a
+        watch dropped events would cost every node a restart.
+        """
+        kvs, _ = self._client.get_prefix(p.nodes_prefix(self.prefix))
+        registered = {p.node_id_from_key(kv.key) for kv in kvs}
+        if not registered & set(lost):
+            return lost
+        log.warning("our copy of etcd missed %d live node(s); reading it again",
+                    len(registered & set(lost)))
+        self.mirror.resync()
+        self._last_look = None
+        return [node for node in lost if node not in registered]
 
 
 def _registered_at(kv) -> float:
@@ -465,24 +494,3 @@ def _registered_at(kv) -> float:
         return float(json.loads(kv.value).get("registered_at", 0.0))
     except (ValueError, TypeError, AttributeError):
         return 0.0
-
-
-def describe_exit(failure: dict) -> str:
-    if failure.get("stalled_s"):
-        return f"made no progress for {failure['stalled_s']:g} s (--worker-timeout)"
-    if failure.get("signal"):
-        return f"was killed by signal {failure['signal']}"
-    return f"exited with code {failure.get('exit_code')}"
-
-
-def failure_message(failure: dict, max_restarts: int) -> str:
-    """The one line (plus stderr tail) that ends a job which keeps failing."""
-    how = describe_exit(failure)
-    head = (f"worker global rank {failure.get('rank')} (local rank {failure.get('local_rank')}) "
-            f"on node {failure.get('node_id')} {how}; giving up after --max-restarts "
-            f"{max_restarts}")
-    tail = failure.get("stderr_tail") or []
-    if failure.get("log_file"):
-        head += f"; full log: {failure['log_file']}"
-    return head + ("\n  last stderr lines:\n    " + "\n    ".join(tail) if tail else "")
-

@@ -123,3 +123,23 @@ def test_a_slow_start_closes_once_when_arrivals_stop(etcd):
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_a_copy_that_missed_a_node_is_read_again_not_taken_for_a_loss(etcd):
+    """A watch that dropped events must not tear down a running job."""
+    run = "resync"
+    nodes = [Node(etcd.endpoint, run, f"r{i}", 4).start() for i in range(2)]
+    try:
+        plan = wait_for_agreement(nodes, 2)
+        observer = nodes[0].rdzv
+        other_key = f"{observer.prefix}nodes/r1"
+        with observer.mirror._changed:  # as if the watch never delivered r1's registration
+            observer.mirror._drop(other_key)
+        assert observer.mirror.get(other_key) is None
+        assert observer.change_reason(plan) is None
+        assert observer.mirror.get(other_key) is not None
+        assert observer.current_round().state.number == plan.round  # no round was opened
+        assert all(n.plans[-1].round == plan.round for n in nodes)
+    finally:
+        for node in nodes:
+            node.stop()

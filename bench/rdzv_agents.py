@@ -1,0 +1,255 @@
+"""The simulated agents of rendezvous_scale.py and what measures them.
+
+An agent here is the real EtcdRendezvous (its lease, watch and mirror) running the
+agent's loop without workers: register, next_plan, then change_reason on every
+watch event or every 0.1 s. Spread over processes, each process's agents share
+one gRPC channel; CPU time is read from /proc and etcd's own request counters
+from its /metrics page.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+
+def metrics(endpoint: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("grpc_server_msg_received_total{"):
+            method = re.search(r'grpc_method="([^"]+)"', line).group(1)
+            out[method] = out.get(method, 0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def delta(a: dict, b: dict) -> dict:
+    d = {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b)}
+    return {k: int(v) for k, v in sorted(d.items()) if v}
+
+
+class SimAgent:
+    def __init__(self, endpoint: str, run_id: str, node: str, max_nodes: int, settle: float,
+                 ttl: int, client=None):
+        from elastic_runner.config import RendezvousConfig
+        from elastic_runner.rendezvous.handler import EtcdRendezvous
+        from elastic_runner.rendezvous.protocol import JobSpec
+        self.owns_client = client is None
+        self.client = client or new_client(endpoint)
+        cfg = RendezvousConfig(run_id=run_id, node_id=node, min_nodes=1, max_nodes=max_nodes,
+                               lease_ttl_s=ttl, settle_s=settle, join_timeout_s=300)
+        self.rdzv = EtcdRendezvous(self.client, cfg, JobSpec(1, max_nodes, "bench"), 3)
+        self.plans: list[tuple[float, int, tuple]] = []
+        self.on_plan = None  # set in --processes mode: reports each plan to the parent
+        self.stop = threading.Event()
+        self.error: str | None = None
+
+    def run(self, go: float, monitor: bool) -> None:
+        try:
+            time.sleep(max(0.0, go - time.time()))
+            self.rdzv.register()
+            plan = self.rdzv.next_plan(None, "start")
+            self._record(plan)
+            while monitor and not self.stop.is_set():
+                gen = self.rdzv.mirror.generation
+                reason = self.rdzv.change_reason(plan)
+                if reason:
+                    plan = self.rdzv.next_plan(plan, reason)
+                    self._record(plan)
+                else:
+                    self.rdzv.mirror.wait(0.1, gen)
+        except Exception as exc:  # noqa: BLE001
+            if not self.stop.is_set():
+                self.error = f"{type(exc).__name__}: {exc}"
+
+    def _record(self, plan) -> None:
+        self.plans.append((time.time(), plan.round, plan.node_ids))
+        if self.on_plan is not None:
+            self.on_plan(self.plans[-1])
+
+    def close(self, leave: bool) -> None:
+        self.stop.set()
+        self.rdzv.shutdown.set()
+        try:
+            if leave:
+                self.rdzv.leave()
+            else:
+                if self.rdzv.lease:
+                    self.rdzv.lease.stop()
+                self.rdzv.mirror.stop()
+        except Exception:  # noqa: BLE001
+            pass
+        self.rdzv.mirror.wake()
+
+
+def new_client(endpoint: str):
+    from elastic_runner.config import EtcdConfig
+    from elastic_runner.etcd.client import EtcdClient
+    return EtcdClient(EtcdConfig((endpoint,), timeout_s=30.0, retry_deadline_s=60.0))
+
+
+def agreed(agents, size: int, after_round: int):
+    """(time, round) once every agent's newest plan is the same round > after_round with
+    `size` members; else None."""
+    last = [a.plans[-1] if a.plans else None for a in agents]
+    if any(p is None or p[1] <= after_round for p in last):
+        return None
+    rounds = {p[1] for p in last}
+    members = {p[2] for p in last}
+    if len(rounds) == 1 and len(members) == 1 and len(next(iter(members))) == size:
+        return max(p[0] for p in last), rounds.pop()
+    return None
+
+
+def wait_agreed(agents, size, after_round, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = agreed(agents, size, after_round)
+        if got:
+            return got
+        errors = [a.error for a in agents if a.error]
+        if errors:
+            return None
+        time.sleep(0.02)
+    return None
+
+
+def _group_main(endpoint, run_id, names, max_nodes, settle, ttl, go, monitor, updates,
+                commands) -> None:
+    """One child process: its share of the simulated agents, as threads."""
+    agents = {}
+    # One gRPC channel per process, shared by its agents (HTTP/2 multiplexes their
+    # calls and watch streams): a thousand channels' poller threads on two cores
+    # starved the lease keep-alives. Each agent keeps its own lease, watch and mirror.
+    client = new_client(endpoint)
+    for name in names:
+        agent = SimAgent(endpoint, run_id, name, max_nodes, settle, ttl, client)
+        agent.on_plan = lambda plan, name=name: updates.put((name, plan[0], plan[1], plan[2]))
+        agents[name] = agent
+    def run(name, agent):
+        agent.run(go, monitor)
+        if agent.error:
+            updates.put((name, "error", agent.error, ()))
+
+    for name, agent in agents.items():
+        threading.Thread(target=run, args=(name, agent), daemon=True).start()
+    while True:
+        command = commands.recv()
+        if command[0] == "leave":
+            agents[command[1]].close(leave=True)
+        else:
+            break
+    for agent in agents.values():
+        agent.close(leave=False)
+    os._exit(0)
+
+
+class ProcessGroupAgents:
+    """The parent's view: the newest plan each agent reported through a queue."""
+
+    def __init__(self, endpoint: str, run_id: str, n: int, processes: int, args, monitor: bool):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")  # no gRPC state inherited by fork
+        self.updates = context.Queue()
+        self.names = [f"s{i:04d}" for i in range(n)]
+        self.last: dict[str, tuple] = {}
+        self.errors: dict[str, str] = {}
+        self.pipes, self.children, self.owner = [], [], {}
+        go = time.time() + 3.0 + n / 200  # time for the children to import and connect
+        self.go = go
+        for index in range(processes):
+            share = self.names[index::processes]
+            parent_end, child_end = context.Pipe()
+            child = context.Process(target=_group_main, daemon=True, args=(
+                endpoint, run_id, share, n, args.settle, args.lease_ttl, go, monitor,
+                self.updates, child_end))
+            child.start()
+            self.pipes.append(parent_end)
+            self.children.append(child)
+            self.owner.update({name: parent_end for name in share})
+
+    def drain(self) -> None:
+        while True:
+            try:
+                name, at, number, members = self.updates.get_nowait()
+            except Exception:  # queue.Empty
+                return
+            if at == "error":
+                self.errors[name] = number
+            else:
+                self.last[name] = (at, number, tuple(members))
+
+    def wait_agreed(self, names, size: int, after_round: int, timeout: float):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.drain()
+            last = [self.last.get(name) for name in names]
+            if all(p is not None and p[1] > after_round for p in last):
+                if len({p[1] for p in last}) == 1 and len({p[2] for p in last}) == 1 \
+                        and len(last[0][2]) == size:
+                    return max(p[0] for p in last), last[0][1]
+            time.sleep(0.05)
+        return None
+
+    def leave(self, name: str) -> None:
+        self.owner[name].send(("leave", name))
+
+    def stop(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(("stop",))
+            except OSError:
+                pass
+        for child in self.children:
+            child.join(timeout=20)
+            if child.is_alive():
+                child.kill()
+
+
+class Meter:
+    """etcd's request counters and the CPU time of the agents' and etcd's processes."""
+
+    def __init__(self, endpoint: str, agent_pids: list[int], etcd_pid: int | None):
+        self.endpoint, self.agent_pids, self.etcd_pid = endpoint, agent_pids, etcd_pid
+
+    def read(self) -> tuple[float, dict, float, float]:
+        return (time.time(), metrics(self.endpoint), cpu_seconds(self.agent_pids),
+                cpu_seconds([self.etcd_pid] if self.etcd_pid else []))
+
+    @staticmethod
+    def phase(name: str, before, after, n: int, rounds: int) -> dict:
+        requests = delta(before[1], after[1])
+        return {f"{name}_requests": requests,
+                f"{name}_requests_total": sum(requests.values()),
+                f"{name}_requests_per_agent_round": sum(requests.values()) / n / max(rounds, 1),
+                f"{name}_rounds": rounds,
+                f"{name}_agent_cpu_ms_per_agent": 1000 * (after[2] - before[2]) / n,
+                f"{name}_etcd_cpu_s": after[3] - before[3]}
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """user+system CPU of live processes, from /proc (Linux)."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def last_registration(endpoint: str, run_id: str) -> float:
+    from elastic_runner.config import EtcdConfig
+    from elastic_runner.etcd.client import EtcdClient
+    from elastic_runner.rendezvous import protocol as p
+    client = EtcdClient(EtcdConfig((endpoint,), timeout_s=30.0))
+    kvs, _ = client.get_prefix(p.nodes_prefix(f"/elastic-runner/v1/{run_id}/"))
+    client.close()
+    return max((json.loads(kv.value).get("registered_at", 0.0) for kv in kvs), default=0.0)
