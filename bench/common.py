@@ -151,7 +151,7 @@ def free_port() -> int:
 class Launcher:
     """One job: agents of one launcher, all running bench/workload.py."""
 
-    kind: str                      # "elastic-run" | "torchrun"
+    kind: str                      # "elastic-run" | "torchrun" | "torchrun-etcd-v2"
     workdir: Path
     min_nodes: int = 1
     max_nodes: int = 3
@@ -188,9 +188,11 @@ class Launcher:
                     "--nproc-per-node", str(self.nproc), "--lease-ttl", str(self.lease_ttl),
                     "--settle", str(self.settle), "--stop-grace", "2", "--max-restarts", "10",
                     *tail]
+        backend, endpoint = ("c10d", f"127.0.0.1:{self.port}") if self.kind == "torchrun" \
+            else ("etcd-v2", self.endpoint.split("://")[-1])
         return [PY, "-m", "torch.distributed.run", "--nnodes",
                 f"{self.min_nodes}:{self.max_nodes}", "--nproc-per-node", str(self.nproc),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+                "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
                 "--rdzv-id", self.run_id, "--max-restarts", "10", *tail]
 
     def start(self, *nodes: str) -> float:

@@ -299,7 +299,6 @@ def main() -> None:
     from elastic_runner.etcd.server import EmbeddedEtcd
 
     sizes = [int(s) for s in args.sizes.split(",")] + ([1024] if args.big else [])
-    largest = max(sizes)
     info = c.env_info()
     started = time.time()
     er_res, tr_res, servers = {}, {}, []

@@ -16,6 +16,7 @@ its checkpoint) for the next event.
 
     /work/venv/bin/python bench/rescale.py              # N=3 x M=1, 2 repeats, ~10 min
     /work/venv/bin/python bench/rescale.py --nodes 2 --repeats 1 --variants er,tr
+    /work/venv/bin/python bench/rescale.py --repeats 1 --variants er,tr-etcdv2   # needs pip install python-etcd
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ VARIANTS = {
     "tr": ("torchrun c10d (default)", "torchrun", {}, ()),
     "tr-noshare": ("torchrun c10d + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun",
                    {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, ()),
+    # torch's etcd backend: needs python-etcd and an etcd serving the v2 API
+    # (3.5 with --enable-v2; 3.6 has none). The store is in etcd, so nothing to
+    # kill for "host node" beyond rank 0's agent.
+    "tr-etcdv2": ("torchrun etcd-v2 (etcd 3.5 --enable-v2)", "torchrun-etcd-v2", {}, ()),
 }
 EVENTS = ["start", "sigkill", "join", "sigterm", "host_sigkill"]
 DESCR = {
@@ -261,12 +266,14 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="bench-rescale-", dir=c.RESULTS if c.RESULTS.exists() else None))
     started = time.time()
     results: dict = {k: [] for k in keys}
-    with EmbeddedEtcd() as etcd:
+    v2_args = ("--enable-v2",) if "tr-etcdv2" in keys else ()
+    with EmbeddedEtcd() as etcd, EmbeddedEtcd(extra_args=v2_args) as etcd_v2:
         for rep in range(args.repeats):
             for key in keys:
                 wd = base / f"{key}-{rep}"
                 print(f"repeat {rep + 1}/{args.repeats}: {VARIANTS[key][0]}", flush=True)
-                results[key].append(one_run(key, args, etcd.endpoint, wd))
+                endpoint = etcd_v2.endpoint if key == "tr-etcdv2" else etcd.endpoint
+                results[key].append(one_run(key, args, endpoint, wd))
         floor = restart_floor(args, base / f"{keys[0]}-0", (args.nodes - 1) * args.nproc)
     v2 = etcd_v2_check()
 
