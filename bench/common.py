@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastic_runner.events import read_jsonl
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 WORKLOAD = BENCH / "workload.py"
@@ -125,18 +127,6 @@ def listener_pid(port: int) -> int | None:
 
 
 # ---- logs ------------------------------------------------------------------------
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    if not path.exists():
-        return rows
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
-
-
 def steps_of(path: Path) -> list[dict]:
     return sorted((r for r in read_jsonl(path) if r.get("kind") == "step"), key=lambda r: r["t"])
 

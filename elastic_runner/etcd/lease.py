@@ -38,26 +38,28 @@ class KeptLease:
         return time.monotonic() - self._last_refresh
 
     def _loop(self) -> None:
-        """Refresh every TTL/3; after a failed refresh, try again at once.
+        """Refresh every TTL/3; after a failed refresh, try again soon.
 
         Waiting another full interval after a failure left a single retry
         before the TTL ran out, so one slow answer from a busy etcd (or a
-        CPU-starved host) cost the node its membership.
+        CPU-starved host) cost the node its membership. Retries back off from
+        50 ms up to the interval, so an error that answers at once cannot spin.
         """
         interval = max(self.ttl_s / 3.0, 0.2)
-        pause = interval
+        pause, failures = interval, 0
         while not self._stop.wait(pause):
             try:
                 remaining = self._client.refresh_lease(self.id, deadline_s=interval)
             except EtcdError as exc:
                 log.debug("lease %x keep-alive failed: %s", self.id, exc)
-                pause = 0.05
+                failures += 1
+                pause = min(interval, 0.05 * 2 ** (failures - 1))
                 continue
             if remaining <= 0:
                 self._mark_lost(f"etcd answered the keep-alive with TTL {remaining}")
                 return
             self._last_refresh = time.monotonic()
-            pause = interval
+            pause, failures = interval, 0
 
     def _mark_lost(self, why: str) -> None:
         log.warning("lease %x expired (%s): this node is no longer a member", self.id, why)

@@ -100,11 +100,6 @@ class PrefixMirror:
         with self._changed:
             return self._entries.get(key)
 
-    def under(self, prefix: str) -> list[KeyValue]:
-        with self._changed:
-            return sorted((kv for k, kv in self._entries.items() if k.startswith(prefix)),
-                          key=lambda kv: kv.key)
-
     def children(self, directory: str) -> list[KeyValue]:
         """The keys directly inside `directory` (ending in "/"), in key order."""
         with self._changed:

@@ -73,7 +73,6 @@ class EtcdRendezvous:
         self._opened_at: dict[int, float] = {}
         # Parsed values by key, valid while the key's mod revision is unchanged.
         self._decoded: dict[str, tuple[int, object]] = {}
-        self._live_count = 0
         self._newest_round_seen = -1
         self._last_look: _OpenRoundLook | None = None
         self._first_joiner: dict[int, str] = {}
@@ -225,7 +224,7 @@ class EtcdRendezvous:
     def notices(self, plan: p.Plan) -> list[str]:
         """Members of `plan` that announced their departure during its round."""
         found = []
-        for kv in self.mirror.under(p.notice_prefix(self.prefix)):
+        for kv in self.mirror.children(p.notice_prefix(self.prefix)):
             node = p.node_id_from_key(kv.key)
             if node in plan.node_ids and json.loads(kv.value).get("round") == plan.round:
                 found.append(node)
@@ -256,7 +255,8 @@ class EtcdRendezvous:
             if isinstance(outcome, p.Plan):
                 return outcome
             if outcome is not None and self.mirror.wait(outcome, generation):
-                time.sleep(min(MAX_BATCH_S, BATCH_S_PER_NODE * self._live_count))
+                live = self.mirror.census(p.nodes_prefix(self.prefix))[0]
+                time.sleep(min(MAX_BATCH_S, BATCH_S_PER_NODE * live))
 
     def _step(self, previous: p.Plan | None, cause: str, deadline: float):
         """One evaluation: return a Plan, a wait in seconds, or None to re-evaluate now."""
@@ -349,7 +349,6 @@ class EtcdRendezvous:
         previous = self.plan(number - 1) if number > 0 else None
         registered = self._registrations()
         live = set(registered)
-        self._live_count = len(live)
         self._first_joiner[number] = min(joiner_kvs, key=lambda kv: kv.create_revision).key
         min_met = self._min_met_at.get(number)
         settle_left = None if min_met is None else p.settle_remaining(

@@ -60,7 +60,7 @@ def test_mirror_follows_the_prefix_across_a_server_restart(etcd_any_version):
     client.put("/m/after", b"2")
     client.txn([key_missing("/m/gone")], [Put("/m/gone", b"x")])
     assert mirror.wait_until(lambda: mirror.get("/m/gone") is not None, timeout_s=15)
-    assert sorted(kv.key for kv in mirror.under("/m/")) == ["/m/after", "/m/before", "/m/gone"]
+    assert sorted(kv.key for kv in mirror.children("/m/")) == ["/m/after", "/m/before", "/m/gone"]
     mirror.stop()
     client.close()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from elastic_runner.config import EtcdConfig, RendezvousConfig
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.rendezvous.handler import EtcdRendezvous
@@ -48,12 +50,28 @@ class Node:
                 self.error = exc
 
     def stop(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         self.rdzv.shutdown.set()
         self.rdzv.mirror.wake()
         self._thread.join(timeout=10)
         self.rdzv.leave()
         self.client.close()
+
+
+@pytest.fixture
+def node(etcd):
+    """Start a Node in run `run`; every node started is stopped after the test."""
+    started: list[Node] = []
+
+    def start(run: str, node_id: str, max_nodes: int) -> Node:
+        started.append(Node(etcd.endpoint, run, node_id, max_nodes).start())
+        return started[-1]
+
+    yield start
+    for each in started:
+        each.stop()
 
 
 def wait_for_agreement(nodes: list[Node], size: int, timeout_s: float = 60):
@@ -70,76 +88,55 @@ def wait_for_agreement(nodes: list[Node], size: int, timeout_s: float = 60):
                          f"{[(n.plans[-1].round, len(n.plans[-1].members)) if n.plans else None for n in nodes]}")
 
 
-def test_a_burst_of_newcomers_costs_two_reformations_not_one_each(etcd):
-    run = "burst"
-    first = [Node(etcd.endpoint, run, f"a{i}", 16).start() for i in range(4)]
-    newcomers = [Node(etcd.endpoint, run, f"b{i}", 16) for i in range(8)]
-    try:
-        start = wait_for_agreement(first, 4)
-        for node in newcomers:  # 8 arrivals, 0.1 s apart: well inside one settle period
-            node.start()
-            time.sleep(0.1)
-        plan = wait_for_agreement(first + newcomers, 12)
-        # The first newcomer sees no recent arrival and opens a round at once; the
-        # rest see it and wait for a quiet --settle, then share one more round.
-        assert plan.round - start.round in (1, 2)
-        assert [m.node_id for m in plan.members[:4]] == [m.node_id for m in start.members]
-        assert sorted(m.first_rank for m in plan.members) == list(range(12))
-    finally:
-        for node in first + newcomers:
-            node.stop()
+def test_a_burst_of_newcomers_costs_two_reformations_not_one_each(node):
+    first = [node("burst", f"a{i}", 16) for i in range(4)]
+    start = wait_for_agreement(first, 4)
+    newcomers = []
+    for i in range(8):  # 8 arrivals, 0.1 s apart: well inside one settle period
+        newcomers.append(node("burst", f"b{i}", 16))
+        time.sleep(0.1)
+    plan = wait_for_agreement(first + newcomers, 12)
+    # The first newcomer sees no recent arrival and opens a round at once; the
+    # rest see it and wait for a quiet --settle, then share one more round.
+    assert plan.round - start.round in (1, 2)
+    assert [m.node_id for m in plan.members[:4]] == [m.node_id for m in start.members]
+    assert sorted(m.first_rank for m in plan.members) == list(range(12))
 
 
-def test_a_single_newcomer_and_a_leave_each_cost_one_round(etcd):
-    run = "single"
-    nodes = [Node(etcd.endpoint, run, f"n{i}", 8).start() for i in range(3)]
-    try:
-        start = wait_for_agreement(nodes, 3)
-        newcomer = Node(etcd.endpoint, run, "late", 8).start()
-        nodes.append(newcomer)
-        grown = wait_for_agreement(nodes, 4)
-        assert grown.round == start.round + 1
-        assert grown.members[-1].node_id == "late"
-        leaver = nodes.pop(1)
-        leaver.stop()
-        shrunk = wait_for_agreement(nodes, 3)
-        assert shrunk.round == grown.round + 1
-        assert leaver.rdzv.node_id not in shrunk.node_ids
-    finally:
-        for node in nodes:
-            node.stop()
+def test_a_single_newcomer_and_a_leave_each_cost_one_round(node):
+    nodes = [node("single", f"n{i}", 8) for i in range(3)]
+    start = wait_for_agreement(nodes, 3)
+    nodes.append(node("single", "late", 8))
+    grown = wait_for_agreement(nodes, 4)
+    assert grown.round == start.round + 1
+    assert grown.members[-1].node_id == "late"
+    leaver = nodes.pop(1)
+    leaver.stop()
+    shrunk = wait_for_agreement(nodes, 3)
+    assert shrunk.round == grown.round + 1
+    assert leaver.rdzv.node_id not in shrunk.node_ids
 
 
-def test_a_slow_start_closes_once_when_arrivals_stop(etcd):
+def test_a_slow_start_closes_once_when_arrivals_stop(node):
     """Nodes of one job booting over a few seconds end up in the first round together."""
-    run = "staggered"
     nodes = []
-    try:
-        for i in range(6):
-            nodes.append(Node(etcd.endpoint, run, f"s{i}", 16).start())
-            time.sleep(0.3)
-        plan = wait_for_agreement(nodes, 6)
-        assert plan.round == 0
-    finally:
-        for node in nodes:
-            node.stop()
+    for i in range(6):
+        nodes.append(node("staggered", f"s{i}", 16))
+        time.sleep(0.3)
+    plan = wait_for_agreement(nodes, 6)
+    assert plan.round == 0
 
 
-def test_a_copy_that_missed_a_node_is_read_again_not_taken_for_a_loss(etcd):
+def test_a_copy_that_missed_a_node_is_read_again_not_taken_for_a_loss(node):
     """A watch that dropped events must not tear down a running job."""
-    run = "resync"
-    nodes = [Node(etcd.endpoint, run, f"r{i}", 4).start() for i in range(2)]
-    try:
-        plan = wait_for_agreement(nodes, 2)
-        observer = nodes[0].rdzv
-        other_key = f"{observer.prefix}nodes/r1"
-        with observer.mirror._changed:  # as if the watch never delivered r1's registration
-            observer.mirror._drop(other_key)
-        assert observer.mirror.get(other_key) is None
-        assert observer.change_reason(plan) is None
-        assert observer.mirror.get(other_key) is not None
-        assert observer.current_round().state.number == plan.round  # no round was opened
-        assert all(n.plans[-1].round == plan.round for n in nodes)
-    finally:
-        for node in nodes:
-            node.stop()
+    nodes = [node("resync", f"r{i}", 4) for i in range(2)]
+    plan = wait_for_agreement(nodes, 2)
+    observer = nodes[0].rdzv
+    other_key = f"{observer.prefix}nodes/r1"
+    with observer.mirror._changed:  # as if the watch never delivered r1's registration
+        observer.mirror._drop(other_key)
+    assert observer.mirror.get(other_key) is None
+    assert observer.change_reason(plan) is None
+    assert observer.mirror.get(other_key) is not None
+    assert observer.current_round().state.number == plan.round  # no round was opened
+    assert all(n.plans[-1].round == plan.round for n in nodes)
