@@ -20,6 +20,10 @@ class ConfigError(ElasticRunError):
     exit_code = 2
 
 
+class DuplicateNodeId(ConfigError):
+    """Another live agent of the same run already registered this --node-id (exit 2)."""
+
+
 class EtcdBinaryNotFound(ElasticRunError):
     """No etcd server binary to start the embedded etcd."""
 
