@@ -28,6 +28,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import ConfigError, EtcdAuthError, EtcdError, EtcdUnavailable
+from elastic_runner.etcd.tls import tls_problem
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +189,9 @@ class EtcdClient:
             )
         if isinstance(exc, (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
                             etcd_exc.NoServerAvailableError)) or code in _TRANSIENT_CODES:
+            tls = self._tls_problem()
+            if tls:
+                return EtcdError(f"TLS to etcd at {tls[0]} failed: {tls[1]}")
             return EtcdUnavailable(
                 f"etcd unreachable at {self._endpoint_text} ({what} failed for "
                 f"{self._config.retry_deadline_s:g} s): check --rdzv-endpoints, that etcd runs, "
@@ -195,6 +199,17 @@ class EtcdClient:
             )
         detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc) or type(exc).__name__
         return EtcdError(f"etcd at {self._endpoint_text} answered {what} with an error: {detail}")
+
+    def _tls_problem(self) -> tuple[str, str] | None:
+        """(endpoint, cause) when a TLS endpoint fails its handshake; see etcd/tls.py."""
+        for url in self._config.endpoints:
+            host, port, tls = parse_endpoint(url)
+            if tls or self._config.cacert:
+                problem = tls_problem(host, port, self._config.cacert, self._config.cert,
+                                      self._config.key, self._config.timeout_s)
+                if problem:
+                    return url, problem
+        return None
 
     def _retrying(self, call: Callable, what: str = "the request", deadline: float | None = None):
         """Run `call`, retrying transient failures until the deadline, then raise typed."""

@@ -1,0 +1,45 @@
+"""Name the TLS cause when etcd cannot be reached over https.
+
+Why: gRPC reports a failed handshake (wrong CA, a client certificate the server
+refuses, https:// to a plain-text etcd) as plain "unavailable", and the etcd
+library drops even that detail, so the user saw "etcd unreachable" for a
+certificate problem. One handshake with Python's ssl module, with the same files,
+recovers the reason; it runs only after a connection has already failed.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+
+# A server that refuses our client certificate says so in an alert that TLS 1.3
+# delivers after the handshake; wait this long for it.
+ALERT_WAIT_S = 0.5
+
+
+def tls_problem(host: str, port: int, cacert: str | None, cert: str | None,
+                key: str | None, timeout_s: float) -> str | None:
+    """The TLS reason a connection to host:port fails, or None if TLS is not the cause."""
+    context = ssl.create_default_context(cafile=cacert)
+    try:
+        if cert and key:
+            context.load_cert_chain(cert, key)
+        with socket.create_connection((host, port), timeout=timeout_s) as raw:
+            with context.wrap_socket(raw, server_hostname=host) as tls:
+                tls.settimeout(ALERT_WAIT_S)
+                try:
+                    tls.recv(1)
+                except (TimeoutError, socket.timeout):
+                    pass
+    except ssl.SSLCertVerificationError as exc:
+        return f"the server's certificate does not verify ({exc.verify_message}); check --etcd-cacert"
+    except ssl.SSLError as exc:
+        reason = exc.reason or str(exc)
+        if reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
+                      "HTTP_REQUEST", "UNEXPECTED_EOF_WHILE_READING"):
+            return (f"handshake failed ({reason}): the server does not speak TLS; "
+                    "use http:// for a plain-text etcd")
+        return f"handshake failed ({reason}); check --etcd-cert, --etcd-key and --etcd-cacert"
+    except OSError:
+        return None  # not reachable at all: not a TLS problem
+    return None
