@@ -36,6 +36,11 @@ from elastic_runner.workers import EXIT_FOR_RESIZE, WorkerExit, WorkerGroup
 
 log = logging.getLogger("elastic_runner")
 
+# The agent reads the password from its own environment (or --etcd-password-file);
+# workers get only the path of a 0600 file that holds it.
+PASSWORD_ENV = "ELASTIC_RUN_ETCD_PASSWORD"
+PASSWORD_FILE_ENV = "ELASTIC_RUN_ETCD_PASSWORD_FILE"
+
 SUCCEEDED, FAILED, CHANGED, SHUTDOWN, NOTICE = "succeeded", "failed", "changed", "shutdown", \
     "notice"
 
@@ -65,11 +70,16 @@ class Agent:
         self.events = EventLog(config.rendezvous.node_id, config.rendezvous.run_id,
                                log_dir / EVENTS_FILE if log_dir else None,
                                publish=self.rendezvous.publish_event)
+        self._etcd_password = etcd.password
+        self._password_file = self._scratch / "etcd-password"
+        base_env = {k: v for k, v in base_env.items() if k != PASSWORD_ENV}
         self._base_env = {**base_env, **worker_etcd_env(etcd, config.rendezvous.prefix),
                           "ELASTIC_RUN_NOTICE_PATH": str(self._notice_path),
                           "ELASTIC_RUN_PROGRESS_DIR": str(self.progress_dir)}
         if self.events.path is not None:
             self._base_env["ELASTIC_RUN_EVENTS_PATH"] = str(self.events.path)
+        if etcd.password:
+            self._base_env[PASSWORD_FILE_ENV] = str(self._password_file)
         self._signal: int | None = None
         self._signal_seen = threading.Event()
         # How long workers keep training while etcd does not answer.
@@ -107,7 +117,11 @@ class Agent:
             return self._shutdown_code(workers_ok=True)
         finally:
             self.rendezvous.leave()
-            shutil.rmtree(self._scratch, ignore_errors=True)
+            self.close()
+
+    def close(self) -> None:
+        """Remove this agent's scratch folder (notice marker, progress, password file)."""
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _rounds(self) -> int:
         previous: Plan | None = None
@@ -118,6 +132,7 @@ class Agent:
             except EtcdUnavailable as exc:
                 self._wait_for_etcd(exc)
                 continue
+            self._write_password_file()
             group = self._start(plan, previous, paused_at)
             try:
                 outcome = self._monitor(group, plan)
@@ -129,6 +144,8 @@ class Agent:
                 group.stop(self._config.workers.stop_grace_s)
                 self._wait_for_etcd(exc)
                 cause = "etcd outage"
+            finally:
+                self._password_file.unlink(missing_ok=True)
             previous = plan
 
     def _leave(self, outcome: Outcome, group: WorkerGroup, plan: Plan) -> int:
@@ -154,6 +171,17 @@ class Agent:
             self._drain(group)
         group.stop(self._config.workers.stop_grace_s)
         return cause
+
+    def _write_password_file(self) -> None:
+        """Workers read the etcd password from a file only this user can read, never
+        from their environment (which /proc/PID/environ and crash reporters expose);
+        it lives for one round."""
+        if not self._etcd_password:
+            return
+        self._password_file.unlink(missing_ok=True)
+        handle = os.open(self._password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(handle, "w") as out:
+            out.write(self._etcd_password)
 
     def _wait_for_etcd(self, error: EtcdUnavailable) -> None:
         """Workers are stopped; wait (up to --join-timeout) for etcd to answer again."""
@@ -327,7 +355,7 @@ def worker_etcd_env(etcd: EtcdConfig, prefix: str) -> dict[str, str]:
     """What a worker needs to reach etcd for the checkpoint record (never logged)."""
     env = {"ELASTIC_RUN_ETCD_ENDPOINTS": ",".join(etcd.endpoints),
            "ELASTIC_RUN_ETCD_PREFIX": prefix}
-    for name in ("cacert", "cert", "key", "user", "password"):
+    for name in ("cacert", "cert", "key", "user"):
         value = getattr(etcd, name)
         if value:
             env[f"ELASTIC_RUN_ETCD_{name.upper()}"] = value

@@ -20,8 +20,12 @@ from elastic_runner.agent import default_node_id
 from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, WorkerConfig
 from elastic_runner.errors import ConfigError, ElasticRunError, EXIT_CODES, exit_code_for
 from elastic_runner.etcd.client import parse_endpoint
+from elastic_runner.validation import (
+    check_id, check_log_dir, check_nproc, check_numbers, check_tls_files, parse_bool, sanitize_id,
+)
 
 ENV_PREFIX = "ELASTIC_RUN_"
+DEFAULT_SETTLE_MAX_S = 30.0
 # Verbs before the script name; each module has main(argv, environ) -> exit code.
 SUBCOMMANDS = {"notice": "notice", "status": "status", "report": "report", "deploy": "deploy"}
 log = logging.getLogger("elastic_runner")
@@ -30,6 +34,8 @@ log = logging.getLogger("elastic_runner")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-run",
+        # torchrun users mistype flags; a prefix such as --max-node must not pass as a flag.
+        allow_abbrev=False,
         description="Run a PyTorch training script on every node of an elastic job. "
                     "Start the same command on each node; ranks come from an etcd v3 rendezvous. "
                     "Also: `elastic-run notice --rdzv-endpoints URLS --run-id ID --node-id NODE` "
@@ -67,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     rdzv.add_argument("--settle", type=float, default=2.0,
                       help="a round with enough nodes closes after this many seconds "
                            "with no new node (default 2)")
-    rdzv.add_argument("--settle-max", type=float, default=30.0,
+    rdzv.add_argument("--settle-max", type=float,
                       help="longest a stream of arrivals may hold a round open "
-                           "(default 30)")
+                           f"(default {DEFAULT_SETTLE_MAX_S:g}, or --settle if larger)")
     rdzv.add_argument("--master-addr", help="address peers use to reach this node's "
                       "process-group store (default: the interface that reaches etcd)")
     rdzv.add_argument("--master-port", type=int,
@@ -108,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     out = parser.add_argument_group("output")
     out.add_argument("--metrics-port", type=int,
                      help="serve Prometheus metrics on this port (0: any free port)")
+    out.add_argument("--metrics-addr", default="0.0.0.0",
+                     help="address the metrics endpoint listens on (default 0.0.0.0, all "
+                          "interfaces, as Prometheus exporters do; 127.0.0.1 keeps it local)")
     out.add_argument("-v", "--verbose", action="count", default=0, help="more detail")
     out.add_argument("-q", "--quiet", action="store_true", help="errors only")
     parser.add_argument("entrypoint", help="training script (or module with -m)")
@@ -123,17 +132,23 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str])
         name = ENV_PREFIX + long_flags[0][2:].replace("-", "_").upper()
         if name not in environ:
             continue
-        raw = environ[name]
-        if isinstance(action, argparse._AppendAction):
-            action.default = [part for part in raw.split(",") if part]
-        elif action.nargs == 0:
-            action.default = raw.lower() in ("1", "true", "yes", "on") if action.const is True \
-                else int(raw or 0)
-        else:
-            try:
-                action.default = action.type(raw) if action.type else raw
-            except ValueError as exc:
-                raise ConfigError(f"{name}={raw!r} is not valid for {long_flags[0]}: {exc}")
+        action.default = env_default(action, name, environ[name], long_flags[0])
+
+
+def env_default(action: argparse.Action, name: str, raw: str, flag: str):
+    """One flag's default from its environment variable, or one line saying why not."""
+    if isinstance(action, argparse._AppendAction):
+        return [part for part in raw.split(",") if part]
+    if isinstance(action, argparse._StoreTrueAction):
+        return parse_bool(raw, name)
+    try:
+        if isinstance(action, argparse._CountAction):
+            return int(raw or 0)
+        return action.type(raw) if action.type else raw
+    except ValueError:
+        kind = "a whole number" if action.type is int or isinstance(
+            action, argparse._CountAction) else "a number" if action.type is float else "valid"
+        raise ConfigError(f"{name}={raw!r} is not {kind} (it sets {flag})") from None
 
 
 def given_on_command_line(argv: list[str]) -> set[str]:
@@ -228,7 +243,7 @@ def entry_argv(args) -> tuple[tuple[str, ...], str]:
 
 
 def default_run_id(args) -> str:
-    name = Path(args.entrypoint).stem.replace(".", "-") or "run"
+    name = sanitize_id(Path(args.entrypoint).stem.replace(".", "-"))
     digest = hashlib.sha256("\0".join([args.entrypoint, *args.args]).encode()).hexdigest()
     return f"{name}-{digest[:8]}"
 
@@ -271,19 +286,24 @@ def build_config(args, environ: dict[str, str], gpu_count: int) -> AgentConfig:
         endpoints = ()
     for endpoint in endpoints:
         parse_endpoint(endpoint)
-    if args.lease_ttl < 1:
-        raise ConfigError(f"--lease-ttl {args.lease_ttl}: need at least 1 second")
+    check_numbers(args)
+    check_nproc(nproc)
+    check_tls_files(args.etcd_cacert, args.etcd_cert, args.etcd_key)
+    run_id = check_id(args.run_id, "--run-id") if args.run_id else default_run_id(args)
+    node_id = check_id(args.node_id, "--node-id") if args.node_id else \
+        sanitize_id(default_node_id(), "node")
+    log_dir = check_log_dir(args.log_dir)
     argv, fingerprint = entry_argv(args)
-    run_id = args.run_id or default_run_id(args)
     etcd = EtcdConfig(endpoints, args.etcd_timeout, max(2 * args.lease_ttl, 5.0),
                       args.etcd_cacert, args.etcd_cert, args.etcd_key, args.etcd_user,
                       read_password(args, environ), args.etcd_binary)
     rendezvous = RendezvousConfig(
-        run_id, args.node_id or default_node_id(), min_nodes, max_nodes, args.lease_ttl,
+        run_id, node_id, min_nodes, max_nodes, args.lease_ttl,
         args.join_timeout, args.settle, args.master_addr or local_address(endpoints),
         args.master_port, drain_timeout_s=args.notice_deadline + args.stop_grace, nproc=nproc,
         min_workers=args.min_workers, max_workers=args.max_workers,
-        settle_max_s=max(args.settle_max, args.settle),
+        settle_max_s=args.settle_max if args.settle_max is not None
+        else max(DEFAULT_SETTLE_MAX_S, args.settle),
         labels=tuple(sorted(parse_label(t, "--node-label") for t in args.node_label)),
         rank0_prefer=None if args.rank0_prefer in ("", "none")
         else parse_label(args.rank0_prefer, "--rank0-prefer"))
@@ -291,12 +311,12 @@ def build_config(args, environ: dict[str, str], gpu_count: int) -> AgentConfig:
         raise ConfigError(f"--max-workers {args.max_workers} is below --min-workers or this "
                           f"node's {nproc} worker(s); raise --max-workers")
     workers = WorkerConfig(argv, nproc, fingerprint, args.stop_grace, args.monitor_interval,
-                           Path(args.log_dir) if args.log_dir else None, gpu_count,
+                           log_dir, gpu_count,
                            worker_timeout_s=args.worker_timeout)
     verbosity = 0 if args.quiet else 1 + args.verbose
     return AgentConfig(rendezvous, etcd, workers, args.max_restarts, verbosity,
                        args.notice_deadline, Path(args.notice_file) if args.notice_file else None,
-                       args.metrics_port)
+                       args.metrics_port, args.metrics_addr)
 
 
 def parse_args(argv: list[str], environ: dict[str, str]) -> argparse.Namespace:

@@ -92,3 +92,6 @@ class AgentConfig:
     notice_deadline_s: float = 25.0
     notice_file: Path | None = None
     metrics_port: int | None = None
+    # Prometheus exporters conventionally listen on every interface so a scraper on
+    # another host can reach them; 127.0.0.1 keeps the endpoint on this node.
+    metrics_addr: str = "0.0.0.0"

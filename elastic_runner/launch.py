@@ -7,7 +7,7 @@ import logging
 
 from elastic_runner.agent import Agent
 from elastic_runner.config import AgentConfig, EtcdConfig
-from elastic_runner.errors import EtcdError
+from elastic_runner.errors import ConfigError, EtcdError
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.etcd.server import EmbeddedEtcd
 
@@ -37,10 +37,18 @@ def launch(config: AgentConfig, environ: dict[str, str]) -> int:
         client = connect(etcd_config)
         stack.callback(client.close)
         agent = Agent(config, client, etcd_config, environ)
+        stack.callback(agent.close)
         if config.metrics_port is not None:
             from elastic_runner.metrics import start_metrics_server
 
-            server = start_metrics_server(config.metrics_port, agent.progress_dir)
+            try:
+                server = start_metrics_server(config.metrics_port, agent.progress_dir,
+                                              config.metrics_addr)
+            except OSError as exc:
+                raise ConfigError(
+                    f"--metrics-port {config.metrics_port} on --metrics-addr "
+                    f"{config.metrics_addr}: cannot listen ({exc.strerror or exc}); pick "
+                    "another port, or 0 for any free one") from None
             agent.events.subscribe(server.observe)
             stack.callback(server.stop)
             log.info("metrics at http://%s:%d/metrics", server.host, server.port)

@@ -13,10 +13,11 @@ import json
 from elastic_runner.config import SCHEMA_PREFIX, EtcdConfig
 from elastic_runner.errors import ConfigError, RendezvousError
 from elastic_runner.rendezvous import protocol as p
+from elastic_runner.validation import check_id
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastic-run notice",
+    parser = argparse.ArgumentParser(prog="elastic-run notice", allow_abbrev=False,
                                      description="Give one node of a run a spot notice.")
     parser.add_argument("--rdzv-endpoints", required=True, help="etcd v3 URLs of the run")
     parser.add_argument("--run-id", required=True)
@@ -43,6 +44,10 @@ def main(argv: list[str], environ: dict[str, str]) -> int:
     from elastic_runner.launch import connect
 
     args = build_parser().parse_args(argv)
+    check_id(args.run_id, "--run-id")
+    check_id(args.node_id, "--node-id")
+    if not args.etcd_timeout > 0:
+        raise ConfigError(f"--etcd-timeout {args.etcd_timeout:g}: need a positive number of seconds")
     endpoints = tuple(e.strip() for e in args.rdzv_endpoints.split(",") if e.strip())
     if not endpoints:
         raise ConfigError("--rdzv-endpoints is empty: give the etcd URLs the run uses")

@@ -31,7 +31,7 @@ from elastic_runner.rendezvous import protocol as p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastic-run status",
+    parser = argparse.ArgumentParser(prog="elastic-run status", allow_abbrev=False,
                                      description="Show a run (or list runs) from etcd.")
     parser.add_argument("--rdzv-endpoints", "--rdzv-endpoint", help="etcd v3 URLs of the run")
     parser.add_argument("--run-id", "--rdzv-id", help="the run to show (default: list runs)")
@@ -52,12 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
 def etcd_config(args, environ: dict[str, str]) -> EtcdConfig:
     from elastic_runner.cli import read_password
     from elastic_runner.etcd.client import parse_endpoint
+    from elastic_runner.validation import check_id, check_tls_files
 
     endpoints = tuple(e.strip() for e in (args.rdzv_endpoints or "").split(",") if e.strip())
     if not endpoints:
         raise ConfigError("--rdzv-endpoints is required: give the etcd URLs the run uses")
     for endpoint in endpoints:
         parse_endpoint(endpoint)
+    if args.run_id:
+        check_id(args.run_id, "--run-id")
+    if not args.etcd_timeout > 0:
+        raise ConfigError(f"--etcd-timeout {args.etcd_timeout:g}: need a positive number of seconds")
+    check_tls_files(args.etcd_cacert, args.etcd_cert, args.etcd_key)
     return EtcdConfig(endpoints, args.etcd_timeout, max(2 * args.etcd_timeout, 5.0),
                       args.etcd_cacert, args.etcd_cert, args.etcd_key, args.etcd_user,
                       read_password(args, environ))

@@ -55,6 +55,7 @@ from elastic_runner.etcd.client import EtcdClient, parse_endpoint
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous.handler import EtcdRendezvous
 from elastic_runner.rendezvous.torch_store import EtcdStore
+from elastic_runner.validation import check_tls_files, sanitize_id
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ def _number(params: RendezvousParameters, key: str, default: float) -> float:
 
 def _default_node_id() -> str:
     """Unique per agent process, even for several agents on one host."""
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    return sanitize_id(f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}", "node")
 
 
 def etcd_config(params: RendezvousParameters) -> EtcdConfig:
@@ -222,6 +223,7 @@ def etcd_config(params: RendezvousParameters) -> EtcdConfig:
     try:
         for endpoint in endpoints:
             parse_endpoint(endpoint)
+        check_tls_files(params.get("cacert"), params.get("cert"), params.get("key"))
     except ConfigError as exc:
         raise ValueError(str(exc)) from exc
     return EtcdConfig(endpoints=endpoints, timeout_s=_number(params, "etcd_timeout", 5.0),
@@ -233,8 +235,10 @@ def rendezvous_config(params: RendezvousParameters) -> RendezvousConfig:
     join_timeout = _number(params, "join_timeout", _number(params, "timeout", 600.0))
     port = int(_number(params, "master_port", 0))
     node_id = str(params.get("node_id") or _default_node_id())
-    if "/" in node_id:
-        raise ValueError(f"--rdzv-conf node_id={node_id!r} must not contain '/'")
+    for what, value in (("--rdzv-id", params.run_id), ("--rdzv-conf node_id", node_id)):
+        problem = p.id_problem(value)
+        if problem:
+            raise ValueError(f"{what} {problem}")
     return RendezvousConfig(
         run_id=params.run_id, node_id=node_id,
         min_nodes=params.min_nodes, max_nodes=params.max_nodes,

@@ -125,6 +125,58 @@ def old_schema_run(ctx: Context) -> None:
     ctx.values["endpoint"] = endpoint
 
 
+def env_var(name: str, value: str):
+    """A setup that puts one ELASTIC_RUN_* variable in the command's environment."""
+    def setup(ctx: Context) -> None:
+        ctx.values.setdefault("env", {})[name] = value
+    return setup
+
+
+def live_etcd(ctx: Context) -> None:
+    ctx.values["endpoint"] = ctx.request.getfixturevalue("etcd").endpoint
+
+
+def busy_port(ctx: Context) -> None:
+    """etcd, and a port some other process listens on."""
+    import socket
+
+    live_etcd(ctx)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    ctx.stack.callback(holder.close)
+    ctx.values["port"] = str(holder.getsockname()[1])
+
+
+def a_regular_file(ctx: Context) -> None:
+    (ctx.tmp_path / "logs").write_text("not a folder")
+
+
+def pem_files(ctx: Context) -> None:
+    from tests.helpers.certs import make_pki
+
+    pki = make_pki(ctx.tmp_path / "pki")
+    ctx.values.update({name: str(path) for name, path in pki.items()})
+
+
+def tls_etcd_and_other_ca(ctx: Context) -> None:
+    """A TLS etcd, and a CA/client pair that etcd does not trust."""
+    from elastic_runner.etcd.server import EmbeddedEtcd
+    from tests.helpers.certs import make_pki
+
+    pki = make_pki(ctx.tmp_path / "pki")
+    other = make_pki(ctx.tmp_path / "other", name="other")
+    server = ctx.stack.enter_context(EmbeddedEtcd(tls_files=pki))
+    ctx.values.update(endpoint=server.endpoint, other_ca=str(other["ca"]),
+                      cert=str(pki["client_cert"]), key=str(pki["client_key"]))
+
+
+def plain_etcd_and_pem(ctx: Context) -> None:
+    live_etcd(ctx)
+    pem_files(ctx)
+    ctx.values["https"] = ctx.values["endpoint"].replace("http://", "https://")
+
+
 def unwritable_checkpoint_dir(ctx: Context) -> None:
     """A checkpoint path below a plain file: no user (root included) can create it."""
     blocker = ctx.tmp_path / "a-file"
@@ -163,7 +215,65 @@ CASES = [
     pytest.param(old_schema_run, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
                                             "--run-id", "old", c.script],
                  5, ["older elastic-runner", "new --run-id"], id="old-schema-keys"),
-
+    # ids: one grammar, checked before etcd or the disk is touched
+    pytest.param(no_setup, lambda c: ["--run-id", "victim/rounds/0/join", c.script],
+                 2, ["--run-id", "is not a valid id"], id="run-id-inside-another-run"),
+    pytest.param(no_setup, lambda c: ["--run-id", "v3/nodes", c.script],
+                 2, ["--run-id", "is not a valid id"], id="run-id-slash"),
+    pytest.param(no_setup, lambda c: ["--node-id", "a/b", c.script],
+                 2, ["--node-id 'a/b' is not a valid id"], id="node-id-slash"),
+    pytest.param(no_setup, lambda c: ["--run-id", "job\nrm -rf /", c.script],
+                 2, ["--run-id", "is not a valid id"], id="run-id-newline"),
+    pytest.param(no_setup, lambda c: ["--run-id", "../../x", "--log-dir", "logs", c.script],
+                 2, ["--run-id '../../x' is not a valid id"], id="run-id-escapes-log-dir"),
+    # values argparse's types cannot judge
+    pytest.param(env_var("ELASTIC_RUN_VERBOSE", "abc"), lambda c: [c.script],
+                 2, ["ELASTIC_RUN_VERBOSE='abc' is not a whole number"], id="env-verbose-abc"),
+    pytest.param(env_var("ELASTIC_RUN_STANDALONE", "maybe"), lambda c: [c.script],
+                 2, ["ELASTIC_RUN_STANDALONE='maybe' is not a boolean"], id="env-bool-maybe"),
+    pytest.param(no_setup, lambda c: ["--max-node", "2", c.script],
+                 2, ["unrecognized arguments: --max-node"], id="abbreviated-flag"),
+    pytest.param(no_setup, lambda c: ["--settle", "3", "--settle-max", "1", c.script],
+                 2, ["--settle-max 1 is below --settle 3"], id="settle-max-below-settle"),
+    pytest.param(no_setup, lambda c: ["--settle", "-5", c.script],
+                 2, ["--settle -5"], id="settle-negative"),
+    pytest.param(no_setup, lambda c: ["--max-restarts", "-1", c.script],
+                 2, ["--max-restarts -1"], id="max-restarts-negative"),
+    pytest.param(no_setup, lambda c: ["--min-workers", "-4", c.script],
+                 2, ["--min-workers -4"], id="min-workers-negative"),
+    pytest.param(no_setup, lambda c: ["--monitor-interval", "0", c.script],
+                 2, ["--monitor-interval 0"], id="monitor-interval-zero"),
+    pytest.param(no_setup, lambda c: ["--etcd-timeout", "0", c.script],
+                 2, ["--etcd-timeout 0: need a positive number"], id="etcd-timeout-zero"),
+    pytest.param(no_setup, lambda c: ["--nproc-per-node", "10000", c.script],
+                 2, ["--nproc-per-node 10000: this node can hold at most"], id="nproc-too-many"),
+    pytest.param(no_setup, lambda c: ["--metrics-port", "70000", c.script],
+                 2, ["--metrics-port 70000"], id="metrics-port-too-big"),
+    pytest.param(busy_port, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
+                                       "--metrics-port", c.values["port"], c.script],
+                 2, ["--metrics-port {port}", "cannot listen"], id="metrics-port-in-use"),
+    pytest.param(a_regular_file, lambda c: ["--log-dir", "logs", c.script],
+                 2, ["--log-dir logs: exists and is not a directory"], id="log-dir-is-a-file"),
+    # TLS: refused before gRPC can abort the process, or named as TLS when the handshake fails
+    pytest.param(pem_files, lambda c: ["--rdzv-endpoints", "https://127.0.0.1:1",
+                                       "--etcd-cert", c.values["client_cert"], c.script],
+                 2, ["--etcd-cert needs --etcd-key"], id="cert-without-key"),
+    pytest.param(pem_files, lambda c: ["--rdzv-endpoints", "https://127.0.0.1:1",
+                                       "--etcd-key", c.values["client_key"], c.script],
+                 2, ["--etcd-key needs --etcd-cert"], id="key-without-cert"),
+    pytest.param(pem_files, lambda c: ["--rdzv-endpoints", "https://127.0.0.1:1",
+                                       "--etcd-cert", c.values["client_key"],
+                                       "--etcd-key", c.values["client_cert"], c.script],
+                 2, ["TLS files rejected"], id="cert-key-swapped"),
+    pytest.param(tls_etcd_and_other_ca,
+                 lambda c: ["--rdzv-endpoints", c.values["endpoint"], "--etcd-timeout", "1",
+                            "--etcd-cacert", c.values["other_ca"], "--etcd-cert", c.values["cert"],
+                            "--etcd-key", c.values["key"], c.script],
+                 4, ["TLS", "certificate does not verify"], id="tls-wrong-ca"),
+    pytest.param(plain_etcd_and_pem,
+                 lambda c: ["--rdzv-endpoints", c.values["https"], "--etcd-timeout", "1",
+                            "--etcd-cacert", c.values["ca"], c.script],
+                 4, ["TLS", "does not speak TLS"], id="https-to-plain-etcd"),
 ]
 
 # The unreachable-etcd case must give up well within this bound, not hang.
@@ -178,8 +288,11 @@ def test_bad_input(request, tmp_path, setup, make_argv, exit_code, phrases):
         ctx = Context(tmp_path, stack, request)
         setup(ctx)
         argv = make_argv(ctx)
+        scratch = tmp_path / "tmpdir"  # the agent's scratch folder goes here
+        scratch.mkdir()
+        env = {**clean_env(), **ctx.values.get("env", {}), "TMPDIR": str(scratch)}
         result = subprocess.run(
-            elastic_run(*argv), cwd=tmp_path, env=clean_env(), stdin=subprocess.DEVNULL,
+            elastic_run(*argv), cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
             capture_output=True, text=True, timeout=TIMEOUTS.get(case_id, 60),
         )
         lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -191,6 +304,8 @@ def test_bad_input(request, tmp_path, setup, make_argv, exit_code, phrases):
         assert last.startswith("elastic-run: error: "), report
         for phrase in phrases:
             assert phrase.format(**ctx.values) in last, report
+        assert not [p.name for p in scratch.iterdir() if p.name.startswith("elastic-run")], report
+    assert not (tmp_path.parent / "x").exists()  # no run id wrote outside --log-dir
 
 
 def test_checkpoint_dir_not_writable_names_the_path(request, tmp_path):

@@ -3,6 +3,8 @@ token expiry, and secrets kept out of logs and etcd."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +102,38 @@ def test_password_auth_limited_to_the_run_and_no_secret_leaks(auth_etcd, tmp_pat
                         out=tmp_path / "no.jsonl")
     assert wrong.returncode == 4
     assert "Traceback" not in wrong.stderr and "--etcd-user" in last_line(wrong.stderr)
+
+
+ENV_PROBE = """
+import json, os, stat, sys
+path = os.environ.get("ELASTIC_RUN_ETCD_PASSWORD_FILE", "")
+info = {"leaks": [k for k, v in os.environ.items() if sys.argv[2] in v],
+        "path": path, "mode": None, "content": None}
+if path:
+    info["mode"] = stat.S_IMODE(os.stat(path).st_mode)
+    info["content"] = open(path).read()
+import elastic_runner as er
+ctx = er.init()
+info["has_password"] = ctx.etcd_options.get("password") == sys.argv[2]
+er.finish()
+open(sys.argv[1], "w").write(json.dumps(info))
+"""
+
+
+def test_workers_get_the_password_in_a_private_file_not_their_environment(auth_etcd, tmp_path):
+    """The agent takes the password from its environment; its workers must not inherit it
+    (/proc/PID/environ, crash reports): they read a 0600 file that goes with the round."""
+    script = tmp_path / "env_probe.py"
+    script.write_text(ENV_PROBE)
+    out = tmp_path / "seen.json"
+    env = {**os.environ, "ELASTIC_RUN_ETCD_PASSWORD": PASSWORD}
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_runner", "--rdzv-endpoints", auth_etcd.endpoint,
+         "--run-id", "authjob", "--etcd-user", "alice", "--settle", "0.2", str(script),
+         str(out), PASSWORD], capture_output=True, text=True, timeout=90, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen["leaks"] == []
+    assert seen["mode"] == 0o600 and seen["content"] == PASSWORD
+    assert seen["has_password"] is True
+    assert not Path(seen["path"]).exists()
