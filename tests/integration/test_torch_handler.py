@@ -193,3 +193,23 @@ def test_config_from_torchrun_strings():
 def test_bad_endpoint_is_value_error(endpoint):
     with pytest.raises(ValueError):
         create_handler(RendezvousParameters("etcd-v3", endpoint, "job", 1, 1))
+
+
+@pytest.mark.parametrize("run_id, node_id, phrase", [
+    ("victim/rounds/0/join", "n1", "--rdzv-id 'victim/rounds/0/join' is not a valid id"),
+    ("job", "a/b", "--rdzv-conf node_id 'a/b' is not a valid id"),
+    ("job", "..", "--rdzv-conf node_id '..' is not a valid id"),
+    ("job\nx", "n1", "--rdzv-id 'job\\nx' is not a valid id"),
+])
+def test_ids_follow_the_cli_grammar(run_id, node_id, phrase):
+    """torchrun users get the same id rules, as the ValueError torch reports."""
+    with pytest.raises(ValueError) as caught:
+        rendezvous_config(RendezvousParameters("etcd-v3", "h:1", run_id, 1, 1, node_id=node_id))
+    assert phrase in str(caught.value)
+
+
+def test_default_node_id_is_a_valid_id():
+    from elastic_runner.rendezvous.protocol import id_problem
+
+    config = rendezvous_config(RendezvousParameters("etcd-v3", "h:1", "job", 1, 1))
+    assert id_problem(config.node_id) is None
