@@ -23,7 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic_runner import contract
 from elastic_runner.config import AgentConfig, EtcdConfig
+from elastic_runner.contract import EXIT_FOR_RESIZE
 from elastic_runner.errors import (
     EtcdUnavailable, RendezvousError, ShutdownRequested, WorkerFailure,
 )
@@ -32,14 +34,9 @@ from elastic_runner.events import EVENTS_FILE, EventLog
 from elastic_runner.rendezvous.failures import describe_exit, failure_message
 from elastic_runner.rendezvous.handler import EtcdRendezvous
 from elastic_runner.rendezvous.protocol import FINISHED, JobSpec, Plan, plan_problem
-from elastic_runner.workers import EXIT_FOR_RESIZE, WorkerExit, WorkerGroup
+from elastic_runner.workers import WorkerExit, WorkerGroup
 
 log = logging.getLogger("elastic_runner")
-
-# The agent reads the password from its own environment (or --etcd-password-file);
-# workers get only the path of a 0600 file that holds it.
-PASSWORD_ENV = "ELASTIC_RUN_ETCD_PASSWORD"
-PASSWORD_FILE_ENV = "ELASTIC_RUN_ETCD_PASSWORD_FILE"
 
 SUCCEEDED, FAILED, CHANGED, SHUTDOWN, NOTICE = "succeeded", "failed", "changed", "shutdown", \
     "notice"
@@ -61,25 +58,23 @@ class Agent:
                        config.workers.fingerprint, config.rendezvous.min_workers,
                        config.rendezvous.max_workers)
         self.rendezvous = EtcdRendezvous(client, config.rendezvous, spec, config.max_restarts)
+        # Private to this agent (mkdtemp: mode 0700): the worker contract's files.
         self._scratch = Path(tempfile.mkdtemp(prefix="elastic-run-agent-"))
-        self._notice_path = self._scratch / "notice"
+        self._notice_path = self._scratch / contract.NOTICE_FILE
         # Workers' er.report() progress, one small file per rank, read by metrics.
-        self.progress_dir = self._scratch / "progress"
+        self.progress_dir = self._scratch / contract.PROGRESS_DIR
         self.progress_dir.mkdir()
+        self._error_dir = self._scratch / contract.ERROR_DIR
+        self._error_dir.mkdir()
         log_dir = config.workers.log_dir
         self.events = EventLog(config.rendezvous.node_id, config.rendezvous.run_id,
                                log_dir / EVENTS_FILE if log_dir else None,
                                publish=self.rendezvous.publish_event)
         self._etcd_password = etcd.password
-        self._password_file = self._scratch / "etcd-password"
-        base_env = {k: v for k, v in base_env.items() if k != PASSWORD_ENV}
-        self._base_env = {**base_env, **worker_etcd_env(etcd, config.rendezvous.prefix),
-                          "ELASTIC_RUN_NOTICE_PATH": str(self._notice_path),
-                          "ELASTIC_RUN_PROGRESS_DIR": str(self.progress_dir)}
-        if self.events.path is not None:
-            self._base_env["ELASTIC_RUN_EVENTS_PATH"] = str(self.events.path)
-        if etcd.password:
-            self._base_env[PASSWORD_FILE_ENV] = str(self._password_file)
+        self._password_file = self._scratch / contract.PASSWORD_FILE
+        self._base_env = dict(base_env)
+        self._job = job_env(config, etcd, self._scratch,
+                            self.events.path if self.events.path is not None else None)
         self._signal: int | None = None
         self._signal_seen = threading.Event()
         # How long workers keep training while etcd does not answer.
@@ -87,8 +82,11 @@ class Agent:
 
     # ---- signals ----------------------------------------------------------------
     def install_signal_handlers(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._on_signal)
+        """The signals torchrun handles (TORCHELASTIC_SIGNALS_TO_HANDLE): SIGTERM is a
+        spot notice (see --notice-deadline); the others stop the node and reach the
+        workers as the same signal."""
+        for name in self._job.signals_to_handle.split(","):
+            signal.signal(getattr(signal, name.strip()), self._on_signal)
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self._signal is None:
@@ -215,9 +213,9 @@ class Agent:
                          members=[{"node": m.node_id, "node_rank": m.node_rank,
                                    "first_rank": m.first_rank, "nproc": m.nproc}
                                   for m in plan.members])
-        group = WorkerGroup.start(plan, self._rdzv_config.node_id, self._rdzv_config.run_id,
-                                  self._config.max_restarts, self._config.workers, self._base_env,
-                                  echo=self._config.verbosity >= 1)
+        group = WorkerGroup.start(plan, self._rdzv_config.node_id, self._job,
+                                  self._config.workers, self._base_env,
+                                  echo=self._config.verbosity >= 1, error_dir=self._error_dir)
         self.events.emit("workers_started", round=plan.round, pids=group.pids)
         if previous is not None:
             pause = time.monotonic() - paused_at
@@ -351,15 +349,19 @@ class Agent:
         return signal.Signals(self._signal).name if self._signal else "signal"
 
 
-def worker_etcd_env(etcd: EtcdConfig, prefix: str) -> dict[str, str]:
-    """What a worker needs to reach etcd for the checkpoint record (never logged)."""
-    env = {"ELASTIC_RUN_ETCD_ENDPOINTS": ",".join(etcd.endpoints),
-           "ELASTIC_RUN_ETCD_PREFIX": prefix}
-    for name in ("cacert", "cert", "key", "user"):
-        value = getattr(etcd, name)
-        if value:
-            env[f"ELASTIC_RUN_ETCD_{name.upper()}"] = value
-    return env
+def job_env(config: AgentConfig, etcd: EtcdConfig, scratch: Path,
+            events_path: Path | None) -> contract.WorkerEnv:
+    """What every worker of this node shares; the plan fills in ranks per round."""
+    return contract.WorkerEnv(
+        run_id=config.rendezvous.run_id, max_restarts=config.max_restarts,
+        signals_to_handle=config.signals_to_handle,
+        etcd_endpoints=tuple(etcd.endpoints), etcd_prefix=config.rendezvous.prefix,
+        etcd_cacert=etcd.cacert or "", etcd_cert=etcd.cert or "", etcd_key=etcd.key or "",
+        etcd_user=etcd.user or "",
+        etcd_password_file=str(scratch / contract.PASSWORD_FILE) if etcd.password else "",
+        notice_path=str(scratch / contract.NOTICE_FILE),
+        progress_dir=str(scratch / contract.PROGRESS_DIR),
+        events_path=str(events_path) if events_path is not None else "")
 
 
 def default_node_id() -> str:

@@ -12,12 +12,14 @@ import importlib
 import importlib.util
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
 
 from elastic_runner.agent import default_node_id
 from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, WorkerConfig
+from elastic_runner.contract import DEFAULT_SIGNALS_TO_HANDLE
 from elastic_runner.errors import ConfigError, ElasticRunError, EXIT_CODES, exit_code_for
 from elastic_runner.etcd.client import parse_endpoint
 from elastic_runner.validation import (
@@ -25,6 +27,7 @@ from elastic_runner.validation import (
 )
 
 ENV_PREFIX = "ELASTIC_RUN_"
+SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 DEFAULT_SETTLE_MAX_S = 30.0
 # Verbs before the script name; each module has main(argv, environ) -> exit code.
 SUBCOMMANDS = {"notice": "notice", "status": "status", "report": "report", "deploy": "deploy"}
@@ -316,7 +319,19 @@ def build_config(args, environ: dict[str, str], gpu_count: int) -> AgentConfig:
     verbosity = 0 if args.quiet else 1 + args.verbose
     return AgentConfig(rendezvous, etcd, workers, args.max_restarts, verbosity,
                        args.notice_deadline, Path(args.notice_file) if args.notice_file else None,
-                       args.metrics_port, args.metrics_addr)
+                       args.metrics_port, args.metrics_addr,
+                       signals_to_handle(environ.get(SIGNALS_ENV, DEFAULT_SIGNALS_TO_HANDLE)))
+
+
+def signals_to_handle(text: str) -> str:
+    """torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE, checked: names of catchable signals."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    for name in names:
+        if name in ("SIGKILL", "SIGSTOP") or not isinstance(getattr(signal, name, None),
+                                                            signal.Signals):
+            raise ConfigError(f"{SIGNALS_ENV}={text!r}: {name!r} is not a signal the agent can "
+                              f"catch; use names like {DEFAULT_SIGNALS_TO_HANDLE}")
+    return ",".join(names) or DEFAULT_SIGNALS_TO_HANDLE
 
 
 def parse_args(argv: list[str], environ: dict[str, str]) -> argparse.Namespace:

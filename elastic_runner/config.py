@@ -95,3 +95,5 @@ class AgentConfig:
     # Prometheus exporters conventionally listen on every interface so a scraper on
     # another host can reach them; 127.0.0.1 keeps the endpoint on this node.
     metrics_addr: str = "0.0.0.0"
+    # Signals the agent catches (torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE, comma-separated).
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"

@@ -9,43 +9,47 @@ has already re-formed without them).
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from elastic_runner._process import die_with_parent
 from elastic_runner.config import WorkerConfig
+from elastic_runner.contract import AGENT_ONLY_VARIABLES, EXIT_FOR_RESIZE, WorkerEnv, error_file
 from elastic_runner.rendezvous.protocol import Plan, RankAssignment, assign_ranks
 
 STDERR_TAIL_LINES = 20
-# A worker that checkpointed for a spot notice exits with this (EX_TEMPFAIL):
-# membership is changing, nothing failed. Mirrors runtime.EXIT_FOR_RESIZE.
-EXIT_FOR_RESIZE = 75
+NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
-def worker_env(base: dict[str, str], plan: Plan, ranks: RankAssignment, run_id: str,
-               max_restarts: int, config: WorkerConfig) -> dict[str, str]:
-    env = dict(base)
+def worker_env(base: dict[str, str], plan: Plan, ranks: RankAssignment, job: WorkerEnv,
+               config: WorkerConfig, error_dir: Path | None = None) -> dict[str, str]:
+    """The agent's environment, less its secrets, plus this worker's WorkerEnv.
+
+    `job` carries what every worker of the node shares (run id, etcd, scratch paths);
+    the plan and `ranks` fill in the rest.
+    """
+    env = {k: v for k, v in base.items() if k not in AGENT_ONLY_VARIABLES}
     env.update(config.extra_env)
-    env.update({
-        "RANK": str(ranks.rank), "LOCAL_RANK": str(ranks.local_rank),
-        "WORLD_SIZE": str(ranks.world_size), "LOCAL_WORLD_SIZE": str(ranks.local_world_size),
-        "GROUP_RANK": str(ranks.group_rank), "GROUP_WORLD_SIZE": str(ranks.group_world_size),
-        "ROLE_RANK": str(ranks.rank), "ROLE_WORLD_SIZE": str(ranks.world_size),
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": plan.master_addr, "MASTER_PORT": str(plan.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(plan.restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
-        "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "ELASTIC_RUN_ROUND": str(plan.round),
-        "PYTHONUNBUFFERED": "1",
-    })
+    this = replace(
+        job, rank=ranks.rank, local_rank=ranks.local_rank, world_size=ranks.world_size,
+        local_world_size=ranks.local_world_size, group_rank=ranks.group_rank,
+        group_world_size=ranks.group_world_size, role_rank=ranks.rank,
+        role_world_size=ranks.world_size, master_addr=plan.master_addr,
+        master_port=plan.master_port, restart_count=plan.restart_count, round=plan.round,
+        error_file=str(error_file(error_dir, ranks.rank)) if error_dir else "")
+    env.update(this.to_env())
+    env["PYTHONUNBUFFERED"] = "1"
+    # As torchrun (LocalElasticAgent._start_workers): with it, an NCCL collective that
+    # can no longer complete (a peer died) makes the worker fail instead of hanging
+    # forever, so its agent sees an exit and the job re-forms. An explicit value wins.
+    env[NCCL_ASYNC_ERROR_HANDLING] = base.get(NCCL_ASYNC_ERROR_HANDLING, "1")
     if ranks.local_world_size > 1 and "OMP_NUM_THREADS" not in base:
         # Several workers on one node each spawning a thread per core oversubscribe
         # it (measured: 4.6x slower steps with 2 workers on 2 cores); torchrun
@@ -77,19 +81,55 @@ class WorkerExit:
                 return f"signal {-self.exit_code}"
         return None
 
+    error: str | None = None  # from the worker's TORCHELASTIC_ERROR_FILE (torch's @record)
+    frame: str | None = None
+
     def as_failure(self, node_id: str) -> dict:
         return {"node_id": node_id, "rank": self.rank, "local_rank": self.local_rank,
                 "exit_code": self.exit_code, "signal": self.signal_name,
                 "stderr_tail": self.stderr_tail, "log_file": self.log_file,
-                "stalled_s": self.stalled_s}
+                "stalled_s": self.stalled_s, "error": self.error, "frame": self.frame}
+
+
+def read_error_file(path: Path) -> tuple[str | None, str | None]:
+    """(exception, failing frame) from the JSON torch's @record writes, or (None, None).
+
+    The format is torch's ErrorHandler.record_exception: {"message": {"message":
+    "Type: text", "extraInfo": {"py_callstack": traceback}}}; a worker may also write
+    {"message": "text"}. The frame is the traceback's last `File ..., line N, in f`.
+    """
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None, None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, str):
+        return message.strip() or None, None
+    if not isinstance(message, dict):
+        return None, None
+    text = str(message.get("message") or "").strip() or None
+    stack = str((message.get("extraInfo") or {}).get("py_callstack") or "")
+    frames = [line.strip() for line in stack.splitlines() if line.strip().startswith("File ")]
+    return text, _short_frame(frames[-1]) if frames else None
+
+
+def _short_frame(line: str) -> str:
+    """'File "/a/b/train.py", line 42, in step' -> 'train.py:42 in step'."""
+    try:
+        where, number, function = line.split(", ", 2)
+        name = where[len('File "'):-1].rsplit("/", 1)[-1]
+        return f"{name}:{number.removeprefix('line ')} {function}"
+    except ValueError:
+        return line
 
 
 class _Worker:
     def __init__(self, ranks: RankAssignment, process: subprocess.Popen,
-                 log_path: Path | None, echo: bool):
+                 log_path: Path | None, echo: bool, error_path: Path | None = None):
         self.ranks = ranks
         self.process = process
         self.log_path = log_path
+        self.error_path = error_path
         self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.exit: WorkerExit | None = None
         log_file = open(log_path, "a", buffering=1) if log_path else None
@@ -119,9 +159,13 @@ class _Worker:
         if self.exit is None and self.process.poll() is not None:
             for pump in self._pumps:
                 pump.join(timeout=1.0)  # let the last stderr lines arrive
+            error, frame = (read_error_file(self.error_path)
+                            if self.error_path and self.process.returncode not in
+                            (0, EXIT_FOR_RESIZE) else (None, None))
             self.exit = WorkerExit(self.ranks.rank, self.ranks.local_rank,
                                    self.process.returncode, time.monotonic(), list(self.tail),
-                                   str(self.log_path) if self.log_path else None)
+                                   str(self.log_path) if self.log_path else None,
+                                   error=error, frame=frame)
         return self.exit
 
 
@@ -132,22 +176,26 @@ class WorkerGroup:
         self._workers = workers
 
     @staticmethod
-    def start(plan: Plan, node_id: str, run_id: str, max_restarts: int,
-              config: WorkerConfig, base_env: dict[str, str], echo: bool = True) -> "WorkerGroup":
+    def start(plan: Plan, node_id: str, job: WorkerEnv, config: WorkerConfig,
+              base_env: dict[str, str], echo: bool = True,
+              error_dir: Path | None = None) -> "WorkerGroup":
+        """Start this node's workers of `plan`; `error_dir` gets torch's error files."""
         workers = []
         for ranks in assign_ranks(plan, node_id):
             log_path = None
             if config.log_dir:
-                folder = config.log_dir / run_id / f"round{plan.round}"
+                folder = config.log_dir / job.run_id / f"round{plan.round}"
                 folder.mkdir(parents=True, exist_ok=True)
                 log_path = folder / f"rank{ranks.rank}.log"
+            error_path = error_file(error_dir, ranks.rank) if error_dir else None
+            if error_path is not None:
+                error_path.unlink(missing_ok=True)  # an earlier round's error is not this one's
             process = subprocess.Popen(
-                list(config.argv), env=worker_env(base_env, plan, ranks, run_id,
-                                                  max_restarts, config),
+                list(config.argv), env=worker_env(base_env, plan, ranks, job, config, error_dir),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=die_with_parent,
             )
-            workers.append(_Worker(ranks, process, log_path, echo))
+            workers.append(_Worker(ranks, process, log_path, echo, error_path))
         return WorkerGroup(workers)
 
     @property

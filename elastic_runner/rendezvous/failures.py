@@ -12,7 +12,19 @@ def describe_exit(failure: dict) -> str:
         return f"made no progress for {failure['stalled_s']:g} s (--worker-timeout)"
     if failure.get("signal"):
         return f"was killed by signal {failure['signal']}"
-    return f"exited with code {failure.get('exit_code')}"
+    how = f"exited with code {failure.get('exit_code')}"
+    if failure.get("error"):
+        # What torch's @record wrote: the exception and where it was raised, so the
+        # one line names the cause even when stderr's tail is noise.
+        how += f": {_one_line(failure['error'])}"
+        if failure.get("frame"):
+            how += f" (at {failure['frame']})"
+    return how
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def failure_message(failure: dict, max_restarts: int) -> str:

@@ -1,6 +1,7 @@
 """The environment a worker gets, including the GPU it would see on a 4-GPU node."""
 
 from elastic_runner.config import WorkerConfig
+from elastic_runner.contract import WorkerEnv
 from elastic_runner.rendezvous.protocol import Member, Plan, assign_ranks
 from elastic_runner.workers import worker_env
 
@@ -11,7 +12,7 @@ PLAN = Plan(round=3, members=(Member("a", 0, 4, "10.0.0.1", 0), Member("b", 1, 4
 def envs(node: str, gpu_count: int, base: dict | None = None) -> list[dict]:
     config = WorkerConfig(argv=("python", "train.py"), nproc=4, fingerprint="f",
                           gpu_count=gpu_count)
-    return [worker_env(base or {}, PLAN, ranks, "job7", 5, config)
+    return [worker_env(base or {}, PLAN, ranks, WorkerEnv(run_id="job7", max_restarts=5), config)
             for ranks in assign_ranks(PLAN, node)]
 
 

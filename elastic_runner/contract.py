@@ -1,0 +1,142 @@
+"""What the agent and its workers agree on, in one torch-free module both import.
+
+The two sides talk through three media only, all spelled here:
+- the environment the agent gives each worker (`WorkerEnv`: torchrun's variables,
+  which unmodified torchrun scripts read, plus ELASTIC_RUN_* for the runtime);
+- small files in the agent's private scratch folder (the notice marker, one progress
+  file per rank, the checkpoint record rank 0 leaves for the metrics, torch's error
+  file per rank);
+- exit codes (`EXIT_FOR_RESIZE`).
+The etcd key layout is not part of it: it lives in `rendezvous/protocol.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Mapping
+
+# A worker that stopped on purpose for a resize (after checkpointing the current step)
+# exits with EX_TEMPFAIL: membership is changing, nothing failed.
+EXIT_FOR_RESIZE = 75
+
+# torchrun's own default for TORCHELASTIC_SIGNALS_TO_HANDLE (torch.distributed.launcher.api
+# sets it in the agent's environment, which workers inherit).
+DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+# ---- files in the agent's scratch folder --------------------------------------------
+NOTICE_FILE = "notice"  # appears when the job must stop at the next step boundary
+PROGRESS_DIR = "progress"
+CHECKPOINT_RECORD = "checkpoint.json"  # in PROGRESS_DIR, written by rank 0
+ERROR_DIR = "errors"  # TORCHELASTIC_ERROR_FILE of each rank lives here
+PASSWORD_FILE = "etcd-password"
+
+
+def progress_file(progress_dir: Path, rank: int) -> Path:
+    return progress_dir / f"rank{rank}.json"
+
+
+def error_file(error_dir: Path, rank: int) -> Path:
+    return error_dir / f"rank{rank}.json"
+
+
+# ---- the environment ------------------------------------------------------------------
+# Field name -> variable. torchrun's names come first: scripts written for torchrun read them.
+_VARIABLES = {
+    "rank": "RANK", "local_rank": "LOCAL_RANK", "world_size": "WORLD_SIZE",
+    "local_world_size": "LOCAL_WORLD_SIZE", "group_rank": "GROUP_RANK",
+    "group_world_size": "GROUP_WORLD_SIZE", "role_rank": "ROLE_RANK",
+    "role_world_size": "ROLE_WORLD_SIZE", "role_name": "ROLE_NAME",
+    "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT",
+    "restart_count": "TORCHELASTIC_RESTART_COUNT", "max_restarts": "TORCHELASTIC_MAX_RESTARTS",
+    "run_id": "TORCHELASTIC_RUN_ID", "use_agent_store": "TORCHELASTIC_USE_AGENT_STORE",
+    "error_file": "TORCHELASTIC_ERROR_FILE",
+    "signals_to_handle": "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "round": "ELASTIC_RUN_ROUND",
+    "etcd_endpoints": "ELASTIC_RUN_ETCD_ENDPOINTS", "etcd_prefix": "ELASTIC_RUN_ETCD_PREFIX",
+    "etcd_cacert": "ELASTIC_RUN_ETCD_CACERT", "etcd_cert": "ELASTIC_RUN_ETCD_CERT",
+    "etcd_key": "ELASTIC_RUN_ETCD_KEY", "etcd_user": "ELASTIC_RUN_ETCD_USER",
+    "etcd_password_file": "ELASTIC_RUN_ETCD_PASSWORD_FILE",
+    "notice_path": "ELASTIC_RUN_NOTICE_PATH", "progress_dir": "ELASTIC_RUN_PROGRESS_DIR",
+    "events_path": "ELASTIC_RUN_EVENTS_PATH",
+}
+# The agent's own secret: never handed to a worker (they get etcd_password_file).
+AGENT_ONLY_VARIABLES = ("ELASTIC_RUN_ETCD_PASSWORD",)
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """One worker's view of its job. Defaults describe a script run outside any launcher."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    group_rank: int = 0
+    group_world_size: int = 1
+    role_rank: int = 0
+    role_world_size: int = 1
+    role_name: str = "default"
+    master_addr: str = ""
+    master_port: int = 0
+    restart_count: int = 0
+    max_restarts: int = 0
+    run_id: str = "local"
+    # Workers reach rank 0's TCPStore at MASTER_ADDR, never an agent-hosted store.
+    use_agent_store: bool = False
+    error_file: str = ""
+    signals_to_handle: str = DEFAULT_SIGNALS_TO_HANDLE
+    round: int = 0
+    etcd_endpoints: tuple[str, ...] = ()
+    etcd_prefix: str = ""
+    etcd_cacert: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    etcd_user: str = ""
+    etcd_password_file: str = ""
+    notice_path: str = ""
+    progress_dir: str = ""
+    events_path: str = ""
+
+    def to_env(self) -> dict[str, str]:
+        """The variables to set; empty optional values are left out, as torchrun does."""
+        env = {}
+        for name, value in asdict(self).items():
+            if isinstance(value, tuple):
+                value = ",".join(value)
+            elif isinstance(value, bool):
+                value = str(value)  # torchrun writes "True"/"False"
+            if value != "" or name in ("master_addr",):
+                env[_VARIABLES[name]] = str(value)
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "WorkerEnv":
+        """Read what is there; a missing variable keeps its outside-a-launcher default."""
+        values = {}
+        for field in fields(cls):
+            raw = environ.get(_VARIABLES[field.name])
+            if raw is None:
+                continue
+            default = getattr(cls, field.name, None)
+            if isinstance(default, bool):
+                values[field.name] = raw.strip().lower() in ("1", "true", "yes")
+            elif isinstance(default, int):
+                values[field.name] = int(raw) if raw.strip() else default
+            elif isinstance(default, tuple):
+                values[field.name] = tuple(part for part in raw.split(",") if part)
+            else:
+                values[field.name] = raw
+        return cls(**values)
+
+    @property
+    def etcd_options(self) -> dict[str, str]:
+        """TLS and user options for the worker's etcd client (the password is a file)."""
+        pairs = (("cacert", self.etcd_cacert), ("cert", self.etcd_cert), ("key", self.etcd_key),
+                 ("user", self.etcd_user))
+        return {name: value for name, value in pairs if value}
+
+
+def variable(field_name: str) -> str:
+    """The environment variable that carries one WorkerEnv field."""
+    return _VARIABLES[field_name]
