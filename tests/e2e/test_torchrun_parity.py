@@ -131,3 +131,41 @@ def test_sighup_is_handled_like_torchrun_and_forwarded_to_workers(tmp_path):
     finally:
         if agent.poll() is None:
             agent.kill()
+
+
+TORCHRUN_STYLE = Path(__file__).resolve().parents[1] / "helpers" / "torchrun_style.py"
+
+
+def test_an_unmodified_torchrun_script_survives_join_sigterm_and_sigkill(etcd, workdir):
+    """No elastic_runner import: the script resumes from its own torch.save checkpoint
+    after every re-formation, and finishes."""
+    import time
+
+    from tests.e2e.harness import Job
+
+    ckpt = workdir / "ckpt.pt"
+    job = Job(etcd.endpoint, workdir, run_id="plain", nproc=1, script=TORCHRUN_STYLE,
+              script_args=("--out", str(workdir / "steps.jsonl"), "--ckpt", str(ckpt),
+                           "--steps", "400"))
+    try:
+        job.start("a", "b")
+        job.wait_world(2, min_steps=8)
+        joined_at = time.time()
+        job.start("c")
+        job.wait_world(3, after=joined_at, min_steps=8)
+        left_at = time.time()
+        job.terminate("c")
+        job.wait_world(2, after=left_at, min_steps=8)
+        assert job.wait_exit("c", timeout=30) in (0, 143)
+        killed_at = time.time()
+        job.kill("b")
+        job.wait_world(1, after=killed_at, min_steps=3)
+        assert job.wait_exit("a", timeout=120) == 0, job.agent_log("a")[-3000:]
+    finally:
+        job.stop_all()
+    rows = job.steps()
+    last = max(rows, key=lambda r: r["t"])
+    assert last["step"] == 399 and last["total"] == 400  # every step counted exactly once
+    resumed = {r["resumed_from"] for r in rows}
+    assert len(resumed) >= 4 and all(s % 5 == 0 for s in resumed)  # each round from its file
+    assert {r["WORLD_SIZE"] for r in rows} >= {"1", "2", "3"}
