@@ -15,10 +15,14 @@ import os
 import signal
 import socket
 import sys
+import urllib.parse
 from pathlib import Path
 
 from elastic_runner.agent import default_node_id
-from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, WorkerConfig
+from elastic_runner.cloud_notice import CLOUDS, DEFAULT_BASE_URLS
+from elastic_runner.config import (
+    AgentConfig, CloudNoticeConfig, EtcdConfig, RendezvousConfig, WorkerConfig,
+)
 from elastic_runner.contract import DEFAULT_SIGNALS_TO_HANDLE
 from elastic_runner.errors import ConfigError, ElasticRunError, EXIT_CODES, exit_code_for
 from elastic_runner.etcd.client import parse_endpoint
@@ -110,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "step before this node's workers stop; 0 stops them at once")
     run.add_argument("--notice-file", help="treat this file appearing as a spot notice "
                      "(for cloud metadata watchers)")
+    run.add_argument("--notice-from", type=str.lower, choices=CLOUDS,
+                     help="poll this cloud's instance metadata service every 1-2 s and treat "
+                          "its spot notice as one (aws: spot/instance-action over IMDSv2; "
+                          "gcp: instance/preempted; azure: a Preempt scheduled event for "
+                          "this VM); an unreachable service is one warning, not a failure")
+    run.add_argument("--notice-url", metavar="URL",
+                     help="base URL of the metadata service for --notice-from (default: the "
+                          "cloud's own, http://169.254.169.254 or, for gcp, "
+                          "http://metadata.google.internal); for tests or a metadata relay")
     run.add_argument("--log-dir", help="keep each worker's output in DIR/RUN_ID/roundN/rankR.log")
     run.add_argument("-m", "--module", dest="module", action="store_true",
                      help="run the entry point as a module (python -m)")
@@ -295,6 +308,7 @@ def build_config(args, environ: dict[str, str], gpu_count: int) -> AgentConfig:
     run_id = check_id(args.run_id, "--run-id") if args.run_id else default_run_id(args)
     node_id = check_id(args.node_id, "--node-id") if args.node_id else \
         sanitize_id(default_node_id(), "node")
+    cloud_notice = cloud_notice_config(args.notice_from, args.notice_url)
     log_dir = check_log_dir(args.log_dir)
     argv, fingerprint = entry_argv(args)
     etcd = EtcdConfig(endpoints, args.etcd_timeout, max(2 * args.lease_ttl, 5.0),
@@ -320,7 +334,34 @@ def build_config(args, environ: dict[str, str], gpu_count: int) -> AgentConfig:
     return AgentConfig(rendezvous, etcd, workers, args.max_restarts, verbosity,
                        args.notice_deadline, Path(args.notice_file) if args.notice_file else None,
                        args.metrics_port, args.metrics_addr,
-                       signals_to_handle(environ.get(SIGNALS_ENV, DEFAULT_SIGNALS_TO_HANDLE)))
+                       signals_to_handle(environ.get(SIGNALS_ENV, DEFAULT_SIGNALS_TO_HANDLE)),
+                       cloud_notice=cloud_notice)
+
+
+def cloud_notice_config(cloud: str | None, url: str | None) -> CloudNoticeConfig | None:
+    """--notice-from / --notice-url, checked. Environment values skip argparse's choices,
+    so the cloud is checked here too; an empty value means off."""
+    cloud = (cloud or "").strip().lower()
+    url = (url or "").strip()
+    if not cloud:
+        if url:
+            raise ConfigError(f"--notice-url {url!r} needs --notice-from "
+                              f"({', '.join(CLOUDS)}): say which cloud's metadata service it is")
+        return None
+    if cloud not in CLOUDS:
+        raise ConfigError(f"--notice-from {cloud!r}: use one of {', '.join(CLOUDS)}")
+    if not url:
+        return CloudNoticeConfig(cloud, DEFAULT_BASE_URLS[cloud])
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok \
+            or parts.query or parts.fragment or parts.username or parts.password:
+        raise ConfigError(f"--notice-url {url!r}: use http://HOST[:PORT] or https://HOST[:PORT] "
+                          f"(optionally with a path), e.g. {DEFAULT_BASE_URLS[cloud]}")
+    return CloudNoticeConfig(cloud, url.rstrip("/"))
 
 
 def signals_to_handle(text: str) -> str:

@@ -81,6 +81,22 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class CloudNoticeConfig:
+    """Where this node learns of its own spot reclaim: the cloud's metadata service
+    (--notice-from, --notice-url). See cloud_notice.py for each cloud's protocol."""
+
+    cloud: str  # "aws", "gcp" or "azure"
+    # Scheme and host (and an optional path prefix) of the metadata service, no
+    # trailing slash; the cloud's documented address unless --notice-url says otherwise.
+    base_url: str
+    # Seconds between the end of one poll and the start of the next; with a
+    # request that runs into its timeout, a poll every interval_s to 2 * interval_s.
+    interval_s: float = 1.0
+    # Seconds each HTTP request to the metadata service may take.
+    timeout_s: float = 1.0
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     rendezvous: RendezvousConfig
     etcd: EtcdConfig
@@ -97,3 +113,5 @@ class AgentConfig:
     metrics_addr: str = "0.0.0.0"
     # Signals the agent catches (torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE, comma-separated).
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    # Poll this cloud's metadata service for a spot notice (--notice-from); None: off.
+    cloud_notice: CloudNoticeConfig | None = None
