@@ -11,13 +11,33 @@ renamed into place and committed by writing MANIFEST.json last::
 
 Every rank's `load_latest()` reads the same root (and `latest_store`), so all
 ranks resolve the same step as long as no save is in flight: saves happen during
-training, loads at start. Unverified directories are never deleted; they stay
-for inspection.
+training, loads at start.
+
+A save counts only once it is durable: written, read back and verified, and
+published to `latest_store`. Only then is `_saved()` called (the runtime logs
+`checkpoint_saved` there), from the writer thread for async saves. An async save
+that fails is raised, as a `CheckpointError` naming the step and the cause, by
+the next `save()`, `due()`, `wait()` or `close()`, or at interpreter exit
+(checkpoint_async), so a worker never exits 0 with its last checkpoint missing.
+
+A record whose checkpoint fails verification is retracted by rank 0's
+`load_latest()` (see checkpoint_latest), so it stops fencing the steps that are
+about to be redone.
+
+After each successful save of step S (and never before it is published), the
+writer tidies the steps up to S: verified ones beyond `keep` are deleted, step
+directories below S that definitely do not verify (no manifest, wrong size or
+sha256, manifest without state) are deleted, and the temporary files of writers
+killed mid-write are deleted from the directories kept. It never touches S
+itself (the newest verified step as far as this writer knows), steps above S
+(they may be a newer writer's, or evidence of a rollback), or a step it could
+not read (storage errors may be transient). A fenced writer still writing a step
+below S loses its files, which is the outcome it must have anyway: it can no
+longer publish.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as futures
 import copy
 import hashlib
 import io
@@ -28,11 +48,19 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
+from elastic_runner.checkpoint_async import BackgroundWriter
+from elastic_runner.checkpoint_latest import (
+    NO_CHECKPOINT,
+    LatestStore,
+    MemoryLatestStore,
+    names_no_checkpoint,
+    refuses,
+)
 from elastic_runner.checkpoint_storage import Storage as _Storage
 from elastic_runner.errors import CheckpointError, CheckpointWriteError, StaleWriterError
 
@@ -53,45 +81,8 @@ class _Unverified(Exception):
     """A checkpoint that must be skipped; the message is the reason."""
 
 
-@runtime_checkable
-class LatestStore(Protocol):
-    """Compare-and-swap record of the newest verified checkpoint (e.g. in etcd).
-
-    It lives outside the checkpoint storage so that a fenced writer, which can
-    still write files, cannot make its files the ones everybody resumes from.
-    """
-
-    def read(self) -> dict[str, Any] | None: ...
-
-    def publish(self, record: dict[str, Any]) -> bool: ...
-
-
-class MemoryLatestStore:
-    """In-process `LatestStore` for tests and single-node runs.
-
-    Refuses a lower step, and an equal step with another sha256 (two writers
-    disagree about one step); the identical record is accepted again so a
-    retried save is idempotent.
-    """
-
-    def __init__(self, record: Mapping[str, Any] | None = None) -> None:
-        self._lock = threading.Lock()
-        self._record = dict(record) if record is not None else None
-
-    def read(self) -> dict[str, Any] | None:
-        with self._lock:
-            return None if self._record is None else dict(self._record)
-
-    def publish(self, record: dict[str, Any]) -> bool:
-        with self._lock:
-            cur = self._record
-            if cur is not None and (
-                record["step"] < cur["step"]
-                or (record["step"] == cur["step"] and record["sha256"] != cur["sha256"])
-            ):
-                return False
-            self._record = dict(record)
-            return True
+class _Unreadable(_Unverified):
+    """Skipped because storage did not answer; maybe transient, so never deleted."""
 
 
 @dataclass(frozen=True)
@@ -146,17 +137,23 @@ class Checkpointer:
         self._latest = latest_store
         self._requested = threading.Event()
         self._verified: dict[int, str] = {}  # step -> sha256 already hashed
-        self._future: futures.Future[None] | None = None
-        self._executor: futures.ThreadPoolExecutor | None = None
+        self._writer: BackgroundWriter | None = None  # async_save on rank 0
         self.loaded_step: int | None = None
+        self._loaded_record: dict[str, Any] | None = None
         self._closed = False
         if self.rank == 0:
             self._storage.probe()
             if async_save:
-                self._executor = futures.ThreadPoolExecutor(1, "ckpt-writer")
+                self._writer = BackgroundWriter(self._exit_line)
 
     def due(self, step: int) -> bool:
-        """Stays True after request_save() until a save happens, so none is lost."""
+        """Stays True after request_save() until a save happens, so none is lost.
+
+        Raises:
+            CheckpointError: the previous async save failed (checked without waiting).
+        """
+        if self._writer is not None:
+            self._writer.collect(block=False)
         if self._requested.is_set():
             return True
         return self.config.every is not None and step % self.config.every == 0
@@ -175,7 +172,8 @@ class Checkpointer:
         Raises:
             CheckpointWriteError: the write failed; earlier checkpoints intact.
             StaleWriterError: the latest store refused the record.
-            CheckpointError: raised by the previous async save, reported here.
+            CheckpointError: raised by the previous async save, reported here;
+                this save is then not started.
         """
         if self.rank != 0:
             self._requested.clear()
@@ -184,52 +182,66 @@ class Checkpointer:
             raise CheckpointError("save() on a closed Checkpointer")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        self._collect()
-        if self._executor is None:
+        if self._writer is None:
             self._write(step, state_dict)
         else:
-            snapshot = _snapshot(state_dict, {})
-            self._future = self._executor.submit(self._write, step, snapshot)
+            self._writer.collect()
+            self._writer.submit(step, self._write, step, _snapshot(state_dict, {}))
         self._requested.clear()
         return self._storage.url(self._dir(step))
 
     def wait(self) -> None:
-        """Block until the in-flight async save is done; re-raise its error."""
-        self._collect()
+        """Block until the in-flight async save is done; re-raise its error once."""
+        if self._writer is not None:
+            self._writer.collect()
 
     def close(self) -> None:
-        """Finish the in-flight save so a clean exit never loses the last one."""
+        """Finish the in-flight save so a clean exit never loses the last one.
+
+        A second call does nothing; an error is raised by the first only.
+        """
         if self._closed:
             return
         self._closed = True
-        try:
-            self._collect()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
+        if self._writer is not None:
+            self._writer.close()
 
     def load_latest(self) -> Any:
         """Payload of the newest verified checkpoint, or None if there is none.
 
         A store record wins over the directory scan, because newer files were
         never published (crash before publish, or a fenced writer); if the
-        record does not verify, only older steps are scanned. Corrupt and
-        uncommitted checkpoints are skipped with one warning each, never deleted.
+        record does not verify, only older steps are scanned, and rank 0
+        retracts the record so it no longer fences the steps to be redone.
+        Corrupt and uncommitted checkpoints are skipped with one warning each.
 
         Raises:
             CheckpointError: a checkpoint passed its sha256 check but torch.load
                 refused it (e.g. custom classes with weights_only=True). Falling
                 back would silently throw away training progress.
         """
-        if self._future is not None:  # our own save; its error stays for wait()
-            futures.wait([self._future])
-        below = None
+        if self._writer is not None:  # our own save; its error stays for wait()
+            self._writer.settle()
+        self.loaded_step, self._loaded_record = None, None
         record = self._latest.read() if self._latest is not None else None
+        if record is not None and names_no_checkpoint(record):
+            return None  # retracted, and nothing older verified: start afresh
+        below = None
         if record is not None:
             below = int(record["step"])
             state = self._try_load(below, expect_sha=record.get("sha256"))
             if state is not _SKIPPED:
                 return state
+        state = self._scan(below)
+        if record is not None:
+            self._retract(record)
+        return state
+
+    # ---- reading ---------------------------------------------------------------------
+    def _dir(self, step: int) -> str:
+        return f"{self._storage.root}/step-{step:08d}"
+
+    def _scan(self, below: int | None) -> Any:
         for step in self._storage.steps():
             if below is None or step < below:
                 state = self._try_load(step)
@@ -237,17 +249,25 @@ class Checkpointer:
                     return state
         return None
 
-    def _dir(self, step: int) -> str:
-        return f"{self._storage.root}/step-{step:08d}"
+    def _retract(self, bad: dict[str, Any]) -> None:
+        """Stop a record whose checkpoint failed verification from fencing saves.
 
-    def _collect(self) -> None:
-        fut = self._future
-        try:
-            if fut is not None:
-                fut.result()
-        finally:
-            if fut is not None and fut.done():
-                self._future = None
+        Only rank 0, the one writer, does it: only its fence matters, and a rank
+        on a node with a broken mount must not be able to erase the job's history.
+        """
+        if self.rank != 0:
+            return
+        replacement = self._loaded_record or NO_CHECKPOINT
+        retract = getattr(self._latest, "retract", None)
+        if retract is None:
+            log.warning("the latest_store record of step %s does not verify, and %s cannot "
+                        "retract it: saves up to that step will be refused", bad.get("step"),
+                        type(self._latest).__name__)
+        elif retract(bad, replacement):  # the skip was the warning; this is detail
+            log.info("retracted the latest_store record of step %s (its checkpoint does "
+                        "not verify); it now names %s, and training redoes the steps after it",
+                        bad.get("step"), f"step {replacement['step']}"
+                        if not names_no_checkpoint(replacement) else "no checkpoint")
 
     def _try_load(self, step: int, expect_sha: str | None = None) -> Any:
         path = self._dir(step)
@@ -255,18 +275,23 @@ class Checkpointer:
             manifest = self._manifest(step)
             if expect_sha is not None and manifest["sha256"] != expect_sha:
                 raise _Unverified("its sha256 differs from the latest_store record")
-            try:
-                data = self._storage.fs.cat_file(f"{path}/{STATE_FILE}")
-            except OSError as exc:
-                raise _Unverified(f"cannot read {STATE_FILE}: {exc}") from None
+            data = self._read_state(step)
             _check_digest(manifest, len(data), hashlib.sha256(data).hexdigest())
         except _Unverified as exc:
             log.warning("skipping checkpoint %s: %s", self._storage.url(path), exc)
             return _SKIPPED
         self._verified[step] = manifest["sha256"]
         state = self._deserialize(data, path)
-        self.loaded_step = step
+        self.loaded_step, self._loaded_record = step, self._record_of(step, manifest)
         return state
+
+    def _read_state(self, step: int) -> bytes:
+        try:
+            return self._storage.fs.cat_file(f"{self._dir(step)}/{STATE_FILE}")
+        except FileNotFoundError:
+            raise _Unverified(f"no {STATE_FILE}") from None
+        except OSError as exc:
+            raise _Unreadable(f"cannot read {STATE_FILE}: {exc}") from None
 
     def _deserialize(self, data: bytes, path: str) -> Any:
         # map_location=cpu: a checkpoint saved on cuda:N must load on any node.
@@ -290,7 +315,9 @@ class Checkpointer:
             ok = ok and isinstance(m["sha256"], str) and isinstance(m["bytes"], int)
         except FileNotFoundError:
             raise _Unverified(f"no {MANIFEST_FILE}: the save never committed") from None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except OSError as exc:
+            raise _Unreadable(f"cannot read {MANIFEST_FILE}: {exc}") from None
+        except (ValueError, KeyError, TypeError) as exc:
             raise _Unverified(f"unreadable {MANIFEST_FILE}: {exc!r}") from None
         if not ok:
             raise _Unverified(f"{MANIFEST_FILE} is not a format-{FORMAT} record of step {step}")
@@ -302,19 +329,37 @@ class Checkpointer:
         if self._verified.get(step) != m["sha256"]:
             try:
                 size, sha = self._storage.hash_file(f"{self._dir(step)}/{STATE_FILE}")
+            except FileNotFoundError:
+                raise _Unverified(f"no {STATE_FILE}") from None
             except OSError as exc:
-                raise _Unverified(f"cannot read {STATE_FILE}: {exc}") from None
+                raise _Unreadable(f"cannot read {STATE_FILE}: {exc}") from None
             _check_digest(m, size, sha)
             self._verified[step] = sha
 
+    def _record_of(self, step: int, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        return {"url": self._storage.url(self._dir(step)), "step": step,
+                "sha256": manifest["sha256"], "world_size": manifest.get("world_size")}
+
+    # ---- hooks for the runtime ---------------------------------------------------------
+    def _exit_line(self, error: BaseException) -> str:
+        """The one line printed when a failed async save ends the process at exit."""
+        return f"error: {error}"
+
+    def _saved(self, step: int, url: str, duration_s: float) -> None:
+        """Called once checkpoint `step` is verified and published (writer thread)."""
+
+    # ---- writing -------------------------------------------------------------------------
     def _write(self, step: int, state: Any) -> None:
+        started = time.monotonic()
         buf = io.BytesIO()
         torch.save(state, buf)
         data = buf.getvalue()
         sha = hashlib.sha256(data).hexdigest()
         self._check_fence(step, sha)
-        self._publish(self._commit(step, data, sha))
-        self._prune(step)
+        record = self._record_of(step, self._commit(step, data, sha))
+        self._publish(record)
+        self._saved(step, record["url"], round(time.monotonic() - started, 3))
+        self._tidy(step)
 
     def _check_fence(self, step: int, sha: str) -> None:
         """Keep a writer already known to be stale from clobbering published files.
@@ -322,7 +367,7 @@ class Checkpointer:
         publish() stays authoritative: the record can move after this read.
         """
         rec = self._latest.read() if self._latest is not None else None
-        if rec and (rec["step"] > step or (rec["step"] == step and rec["sha256"] != sha)):
+        if refuses(rec, {"step": step, "sha256": sha}):
             raise self._stale(step)
 
     def _stale(self, step: int) -> StaleWriterError:
@@ -354,9 +399,9 @@ class Checkpointer:
             if made_dir:  # an empty directory would warn on every load
                 st.discard(d, directory=True)
             raise CheckpointWriteError(
-                f"could not write checkpoint {st.url(d)}: {exc}. Earlier checkpoints "
-                f"are intact; free space or fix permissions under {st.url(st.root)} "
-                "(or point the Checkpointer elsewhere) and save again."
+                f"could not write checkpoint step {step} ({st.url(d)}): {exc}. Earlier "
+                f"checkpoints are intact; free space or fix permissions under "
+                f"{st.url(st.root)} (or point the Checkpointer elsewhere) and save again."
             ) from exc
         self._verified.pop(step, None)
         try:
@@ -365,38 +410,46 @@ class Checkpointer:
             raise CheckpointWriteError(f"read-back of {st.url(d)} failed: {exc}") from None
         return manifest
 
-    def _publish(self, manifest: dict[str, Any]) -> None:
-        if self._latest is None:
-            return
-        step = manifest["step"]
-        record = {"url": self._storage.url(self._dir(step)), "step": step,
-                  "sha256": manifest["sha256"], "world_size": manifest.get("world_size")}
-        if not self._latest.publish(record):
-            raise self._stale(step)  # the files stay, but are not the latest
+    def _publish(self, record: dict[str, Any]) -> None:
+        if self._latest is not None and not self._latest.publish(record):
+            raise self._stale(record["step"])  # the files stay, but are not the latest
 
-    def _prune(self, step: int) -> None:
-        """Keep `keep` verified steps counting this one; delete older verified only."""
-        if self.config.keep is None:
-            return
-        kept = 1
-        for old in (s for s in self._storage.steps() if s < step):
-            try:
-                self._verify(old)
-            except _Unverified:
-                continue
-            if kept < self.config.keep:
+    # ---- tidying (after a published save) ---------------------------------------------
+    def _tidy(self, saved: int) -> None:
+        """Delete what the save of `saved` made obsolete; rules in the module docstring."""
+        kept = 0
+        try:
+            for step in (s for s in self._storage.steps() if s <= saved):
+                try:
+                    self._verify(step)
+                except _Unreadable:
+                    continue
+                except _Unverified as exc:
+                    if step < saved:
+                        log.info("removing unverified checkpoint %s: %s",
+                                 self._storage.url(self._dir(step)), exc)
+                        self._remove(step)
+                    continue
                 kept += 1
-            else:
-                self._remove(old)
+                if self.config.keep is not None and kept > self.config.keep:
+                    self._remove(step)
+                else:
+                    self._storage.remove_temporaries(self._dir(step))
+        except OSError as exc:  # the save itself is done and published
+            log.warning("could not tidy checkpoints under %s: %s",
+                        self._storage.url(self._storage.root), exc)
 
     def _remove(self, step: int) -> None:
         d = self._dir(step)
         try:
             # Manifest first: a half-deleted directory then reads as uncommitted.
-            self._storage.fs.rm_file(f"{d}/{MANIFEST_FILE}")
+            try:
+                self._storage.fs.rm_file(f"{d}/{MANIFEST_FILE}")
+            except FileNotFoundError:
+                pass
             self._storage.fs.rm(d, recursive=True)
         except OSError as exc:
-            log.warning("could not remove old checkpoint %s: %s", d, exc)
+            log.warning("could not remove checkpoint %s: %s", d, exc)
         self._verified.pop(step, None)
 
 

@@ -22,6 +22,7 @@ from elastic_runner.errors import CheckpointError
 log = logging.getLogger("elastic_runner.checkpoint")
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{12}$")  # write_atomic's names, nothing else
 CHUNK = 8 << 20
 
 
@@ -73,6 +74,20 @@ class Storage:
             self.fs.rmdir(path) if directory else self.fs.rm_file(path)
         except OSError:
             pass
+
+    def remove_temporaries(self, directory: str) -> None:
+        """Delete what writers killed mid-write left in `directory` (write_atomic's
+        temporary names only). A writer still running there loses its rename and
+        fails, which is right: the caller only tidies steps up to the one it has just
+        published, so such a writer could not publish anyway."""
+        self.fs.invalidate_cache(directory)
+        try:
+            paths = self.fs.ls(directory, detail=False)
+        except OSError:
+            return
+        for path in paths:
+            if TEMPORARY.search(path.rstrip("/")):
+                self.discard(path)
 
     def sync_dir(self, path: str) -> None:
         """Make renames durable; only meaningful (and possible) locally."""

@@ -10,6 +10,15 @@ called init() must not be killed by an unexpected SIGUSR1). The flag is agreed a
 `Checkpointer.due()`, so every rank stops at the same step; rank 0 writes the
 checkpoint of that step and every worker exits with EXIT_FOR_RESIZE, which the
 agents read as "membership is changing", not as a failure. Zero steps are lost.
+
+Leaving: every way a script can end waits for every pending save of every
+Checkpointer made under the context (they are tied to it, like the process
+group): `with er.init()` and `er.finish()` close them before leaving the process
+group and raise the first failure, which the worker's excepthook prints as one
+line (exit 1); a script that just returns is covered by each async Checkpointer's
+own atexit handler (checkpoint_async). A worker therefore never exits 0 with a
+save pending or failed. After finish() the Checkpointers are closed: they still
+load, but no longer save.
 """
 
 from __future__ import annotations
@@ -19,8 +28,10 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from elastic_runner import checkpoint as _checkpoint
@@ -47,6 +58,8 @@ class Context:
     notice_path: str = ""
     events_path: str = ""
     progress_dir: str = ""
+    # The Checkpointers made under this context; finish() waits for and closes them.
+    checkpointers: list = field(default_factory=list, init=False, compare=False, repr=False)
 
     def notice_given(self) -> bool:
         return bool(self.notice_path) and os.path.exists(self.notice_path)
@@ -54,8 +67,16 @@ class Context:
     def __enter__(self) -> "Context":
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        finish()
+    def __exit__(self, kind, error, trace) -> None:
+        """A failed save fails the worker, unless the block already fails it: then
+        the block's error is the one reported and the save's is logged."""
+        if kind is None or (kind is SystemExit and error.code in (None, 0)):
+            finish()
+            return
+        try:
+            finish()
+        except Exception as save_error:
+            log.error("%s", save_error)
 
 
 _active: list[Context] = []  # the process's one context, like torch's default group
@@ -138,12 +159,35 @@ def _warn_on_hand_typed_ranks(rank: int, world_size: int, context: Context) -> N
 
 
 def finish() -> None:
-    """Leave the process group cleanly so peers don't see a crash."""
+    """Wait for every pending save, then leave the process group cleanly so peers
+    don't see a crash.
+
+    Raises:
+        CheckpointError: a save of this process failed (the first one; the others
+            are logged). The group is left and the context cleared first.
+    """
     import torch.distributed as dist
 
+    context = current()
+    failure = _close_checkpointers(context) if context is not None else None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _active.clear()
+    if failure is not None:
+        raise failure
+
+
+def _close_checkpointers(context: Context) -> Exception | None:
+    failure = None
+    while context.checkpointers:
+        try:
+            context.checkpointers.pop(0).close()
+        except Exception as error:  # noqa: BLE001 - every one must be closed
+            if failure is None:
+                failure = error
+            else:
+                log.error("another checkpoint save failed too: %s", error)
+    return failure
 
 
 def current() -> Context | None:
@@ -156,7 +200,8 @@ class EtcdLatestStore:
     publish() succeeds only while the next round has no plan yet: a node whose
     round is over cannot overwrite the record of the job that re-formed without
     it, yet workers draining for a resize (next round open, not closed) can
-    still record the checkpoint the next round resumes from.
+    still record the checkpoint the next round resumes from. retract() is fenced
+    the same way.
     """
 
     def __init__(self, context: Context):
@@ -180,14 +225,27 @@ class EtcdLatestStore:
             return False
         guard = (mod_revision_is(self._key, current.mod_revision) if current
                  else key_missing(self._key))
-        return self._client.txn([key_missing(self._next_plan_key), guard],
-                                [Put(self._key, json.dumps(record).encode())]).succeeded
+        if self._client.txn([key_missing(self._next_plan_key), guard],
+                            [Put(self._key, json.dumps(record).encode())]).succeeded:
+            return True
+        return self.read() == record  # a retried transaction that had already landed
+
+    def retract(self, bad: dict, replacement: dict) -> bool:
+        """Swap the record only while it is still exactly `bad`: racing readers agree."""
+        from elastic_runner.etcd.client import Put, key_missing, mod_revision_is
+
+        current = self._client.get(self._key)
+        if current is None or json.loads(current.value) != bad:
+            return False
+        return self._client.txn(
+            [key_missing(self._next_plan_key), mod_revision_is(self._key, current.mod_revision)],
+            [Put(self._key, json.dumps(replacement).encode())]).succeeded
 
 
 def _write_checkpoint_progress(folder: str, step: int, url: str, duration_s: float) -> None:
     """The agent's metrics read this for checkpoint age and save time (rank 0's node)."""
     path = os.path.join(folder, "checkpoint.json")
-    temporary = f"{path}.tmp"
+    temporary = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # writer threads
     try:
         with open(temporary, "w") as handle:
             json.dump({"step": step, "url": url, "time": time.time(),
@@ -209,10 +267,10 @@ class Checkpointer(_checkpoint.Checkpointer):
                          latest_store=latest_store, **kwargs)
         self._context = context
         self._stopping = False
+        if context is not None:
+            context.checkpointers.append(self)
         self._events = None
         if context is not None and context.events_path:
-            from pathlib import Path
-
             from elastic_runner.events import EventLog
             self._events = EventLog(f"rank{context.rank}", context.run_id,
                                     Path(context.events_path))
@@ -234,21 +292,26 @@ class Checkpointer(_checkpoint.Checkpointer):
         return state
 
     def save(self, step: int, state_dict: Any) -> str | None:
-        started = time.monotonic()
         where = super().save(step, state_dict)
-        duration = round(time.monotonic() - started, 3)
-        if self._events is not None and where is not None:
-            self._events.emit("checkpoint_saved", step=step, url=where,
-                              round=self._context.round, notice=self._stopping,
-                              duration_s=duration)
-        if where is not None and self._context is not None and self._context.progress_dir:
-            _write_checkpoint_progress(self._context.progress_dir, step, where, duration)
         if self._stopping:
             self.wait()
             log.warning("spot notice: checkpoint of step %d written; stopping for the resize", step)
             finish()
             raise SystemExit(EXIT_FOR_RESIZE)
         return where
+
+    def _saved(self, step: int, url: str, duration_s: float) -> None:
+        """Verified and published: only now may the event log and metrics say so.
+        Runs in the writer thread for async saves (EventLog.emit is thread-safe)."""
+        if self._events is not None:
+            self._events.emit("checkpoint_saved", step=step, url=url,
+                              round=self._context.round, notice=self._stopping,
+                              duration_s=duration_s)
+        if self._context is not None and self._context.progress_dir:
+            _write_checkpoint_progress(self._context.progress_dir, step, url, duration_s)
+
+    def _exit_line(self, error: BaseException) -> str:
+        return f"elastic-run worker: error: {error}"
 
     def _notice_agreed(self) -> bool:
         """Every rank learns at the same step whether any rank got a notice."""
@@ -278,8 +341,6 @@ def report(step: int, samples: int) -> None:
     """
     context = current()
     if not _progress or (context is not None and _progress[0][0] != context.rank):
-        from pathlib import Path
-
         from elastic_runner.metrics import ProgressWriter
 
         directory = os.environ.get("ELASTIC_RUN_PROGRESS_DIR", "")

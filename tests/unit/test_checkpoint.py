@@ -105,13 +105,14 @@ def test_file_url_and_keep_two_leaves_two(tmp_path):
     assert_payload(ckpt.load_latest(), 5)
 
 
-def test_keep_never_deletes_unverified(tmp_path):
-    ckpt = Checkpointer(tmp_path, keep=1)
+def test_keep_counts_verified_steps_only(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=2)
     ckpt.save(1, payload(1))
-    (tmp_path / "step-00000001" / "MANIFEST.json").unlink()  # now uncommitted
     ckpt.save(2, payload(2))
+    (tmp_path / "step-00000001" / "MANIFEST.json").unlink()  # now uncommitted
     ckpt.save(3, payload(3))
-    assert step_dirs(tmp_path) == ["step-00000001", "step-00000003"]
+    # Step 1 no longer counts (and, being unverified below the new save, is gone).
+    assert step_dirs(tmp_path) == ["step-00000002", "step-00000003"]
 
 
 def test_flipped_byte_falls_back_with_one_warning(tmp_path, caplog):
@@ -159,9 +160,11 @@ def test_sigkill_mid_write_keeps_previous(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
     assert_payload(Checkpointer(root, rank=1).load_latest(), 1)
     assert len(warnings_of(caplog)) == 1
-    # The next save of the same step succeeds over the debris.
+    # The next save of the same step succeeds over the debris, and clears it.
     Checkpointer(root).save(2, payload(2))
     assert_payload(Checkpointer(root).load_latest(), 2)
+    assert sorted(p.name for p in (root / "step-00000002").iterdir()) == [
+        "MANIFEST.json", "state.pt"]
 
 
 def test_stale_writer_is_refused(tmp_path):

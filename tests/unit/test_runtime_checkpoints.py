@@ -1,0 +1,120 @@
+"""The worker runtime around checkpoints: leaving waits for every save and fails
+on a lost one; events and metrics say "saved" only when it is durable."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import threading
+
+import pytest
+import torch
+
+from elastic_runner import checkpoint_storage, runtime
+from elastic_runner.checkpoint import MemoryLatestStore
+from elastic_runner.errors import CheckpointWriteError
+from elastic_runner.events import read_jsonl
+
+
+@pytest.fixture
+def context(tmp_path, monkeypatch):
+    """The process's one context, as init() would leave it (no process group)."""
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    ctx = runtime.context_from_env({"ELASTIC_RUN_EVENTS_PATH": str(tmp_path / "events.jsonl"),
+                                    "ELASTIC_RUN_PROGRESS_DIR": str(progress),
+                                    "ELASTIC_RUN_ROUND": "3"}, "gloo", "cpu")
+    monkeypatch.setattr(runtime, "_active", [ctx])
+    return ctx
+
+
+def disk_full_for(monkeypatch, step: int) -> None:
+    original = checkpoint_storage._write_all
+
+    def write(fileobj, data):
+        if f"step-{step:08d}" in str(fileobj.name):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original(fileobj, data)
+
+    monkeypatch.setattr(checkpoint_storage, "_write_all", write)
+
+
+def saved_steps(tmp_path) -> list[int]:
+    return [e["step"] for e in read_jsonl(tmp_path / "events.jsonl")
+            if e["kind"] == "checkpoint_saved"]
+
+
+def test_finish_waits_for_every_checkpointer_and_raises_the_failure(context, tmp_path,
+                                                                   monkeypatch):
+    disk_full_for(monkeypatch, 20)
+    good = runtime.Checkpointer(tmp_path / "good", async_save=True,
+                                latest_store=MemoryLatestStore())
+    bad = runtime.Checkpointer(tmp_path / "bad", async_save=True)
+    good.save(10, {"w": torch.ones(3)})
+    bad.save(20, {"w": torch.ones(3)})
+    with pytest.raises(CheckpointWriteError, match="step 20") as info:
+        runtime.finish()
+    assert "No space left on device" in str(info.value)
+    assert runtime.current() is None and context.checkpointers == []
+    assert (tmp_path / "good" / "step-00000010" / "MANIFEST.json").exists()
+    assert saved_steps(tmp_path) == [10]  # the good one only
+    runtime.finish()  # nothing left: a second finish is quiet
+
+
+def test_leaving_the_with_block_fails_on_a_lost_save(context, tmp_path, monkeypatch):
+    disk_full_for(monkeypatch, 7)
+    with pytest.raises(CheckpointWriteError, match="step 7"):
+        with context:
+            runtime.Checkpointer(tmp_path, async_save=True).save(7, {"w": torch.ones(1)})
+    assert runtime.current() is None
+
+
+def test_sys_exit_0_inside_the_block_does_not_hide_a_lost_save(context, tmp_path, monkeypatch):
+    disk_full_for(monkeypatch, 7)
+    with pytest.raises(CheckpointWriteError):
+        with context:
+            runtime.Checkpointer(tmp_path, async_save=True).save(7, {"w": torch.ones(1)})
+            raise SystemExit(0)
+
+
+def test_the_blocks_own_error_wins_and_the_lost_save_is_logged(context, tmp_path, monkeypatch,
+                                                              caplog):
+    disk_full_for(monkeypatch, 7)
+    caplog.set_level(logging.ERROR, logger="elastic_runner.runtime")
+    with pytest.raises(ZeroDivisionError):
+        with context:
+            runtime.Checkpointer(tmp_path, async_save=True).save(7, {"w": torch.ones(1)})
+            1 / 0
+    assert any("step 7" in r.getMessage() for r in caplog.records)
+
+
+def test_async_checkpoint_saved_comes_from_the_completed_write(context, tmp_path, monkeypatch):
+    gate, original = threading.Event(), checkpoint_storage._write_all
+
+    def gated(fileobj, data):
+        assert gate.wait(30), "the test never opened the gate"
+        original(fileobj, data)
+
+    monkeypatch.setattr(checkpoint_storage, "_write_all", gated)
+    store = MemoryLatestStore()
+    ckpt = runtime.Checkpointer(tmp_path / "ckpt", async_save=True, latest_store=store)
+    ckpt.save(10, {"w": torch.ones(2)})
+    assert saved_steps(tmp_path) == [] and not (tmp_path / "progress" / "checkpoint.json").exists()
+    gate.set()
+    ckpt.wait()
+    (event,) = [e for e in read_jsonl(tmp_path / "events.jsonl")]
+    assert event["kind"] == "checkpoint_saved" and event["step"] == 10 and event["round"] == 3
+    assert event["url"] == store.read()["url"]
+    progress = json.loads((tmp_path / "progress" / "checkpoint.json").read_text())
+    assert progress["step"] == 10 and progress["url"] == event["url"]
+    assert [p.name for p in (tmp_path / "progress").iterdir()] == ["checkpoint.json"]
+
+
+def test_a_failed_sync_save_is_not_announced(context, tmp_path, monkeypatch):
+    disk_full_for(monkeypatch, 5)
+    ckpt = runtime.Checkpointer(tmp_path / "ckpt")
+    ckpt.save(4, {"w": torch.ones(1)})
+    with pytest.raises(CheckpointWriteError):
+        ckpt.save(5, {"w": torch.ones(1)})
+    assert saved_steps(tmp_path) == [4]
