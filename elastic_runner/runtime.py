@@ -19,6 +19,10 @@ line (exit 1); a script that just returns is covered by each async Checkpointer'
 own atexit handler (checkpoint_async). A worker therefore never exits 0 with a
 save pending or failed. After finish() the Checkpointers are closed: they still
 load, but no longer save.
+
+The etcd password reaches workers as the path of a 0600 file the agent writes
+(ELASTIC_RUN_ETCD_PASSWORD_FILE), never as a variable value: the environment of
+a process is readable by its user's other processes and ends up in crash dumps.
 """
 
 from __future__ import annotations
@@ -84,12 +88,6 @@ _active: list[Context] = []  # the process's one context, like torch's default g
 
 def context_from_env(environ: Mapping[str, str], backend: str, device: str) -> Context:
     endpoints = tuple(e for e in environ.get("ELASTIC_RUN_ETCD_ENDPOINTS", "").split(",") if e)
-    options = {k: environ[v] for k, v in (("cacert", "ELASTIC_RUN_ETCD_CACERT"),
-                                          ("cert", "ELASTIC_RUN_ETCD_CERT"),
-                                          ("key", "ELASTIC_RUN_ETCD_KEY"),
-                                          ("user", "ELASTIC_RUN_ETCD_USER"),
-                                          ("password", "ELASTIC_RUN_ETCD_PASSWORD"))
-               if environ.get(v)}
     return Context(
         rank=int(environ.get("RANK", 0)), local_rank=int(environ.get("LOCAL_RANK", 0)),
         world_size=int(environ.get("WORLD_SIZE", 1)),
@@ -98,10 +96,28 @@ def context_from_env(environ: Mapping[str, str], backend: str, device: str) -> C
         round=int(environ.get("ELASTIC_RUN_ROUND", 0)),
         run_id=environ.get("TORCHELASTIC_RUN_ID", "local"), backend=backend, device=device,
         etcd_endpoints=endpoints, etcd_prefix=environ.get("ELASTIC_RUN_ETCD_PREFIX", ""),
-        etcd_options=options,
+        etcd_options=_etcd_options(environ),
         notice_path=environ.get("ELASTIC_RUN_NOTICE_PATH", ""),
         events_path=environ.get("ELASTIC_RUN_EVENTS_PATH", ""),
         progress_dir=environ.get("ELASTIC_RUN_PROGRESS_DIR", ""))
+
+
+def _etcd_options(environ: Mapping[str, str]) -> dict[str, str]:
+    """TLS files and user as given; the password from the agent's 0600 file. An
+    unreadable file leaves the password out: etcd then says what is wrong."""
+    options = {k: environ[v] for k, v in (("cacert", "ELASTIC_RUN_ETCD_CACERT"),
+                                          ("cert", "ELASTIC_RUN_ETCD_CERT"),
+                                          ("key", "ELASTIC_RUN_ETCD_KEY"),
+                                          ("user", "ELASTIC_RUN_ETCD_USER"))
+               if environ.get(v)}
+    password_file = environ.get("ELASTIC_RUN_ETCD_PASSWORD_FILE")
+    if password_file:
+        try:
+            options["password"] = Path(password_file).read_text().rstrip("\r\n")
+        except OSError as exc:
+            log.warning("cannot read the etcd password file %s (%s): connecting without "
+                        "a password", password_file, exc.strerror or exc)
+    return options
 
 
 def init(backend: str | None = None, timeout_s: float = 60.0) -> Context:
