@@ -11,8 +11,9 @@ Choices, written down:
   not the cluster, so they are ignored: the same argv always renders the same text.
 - Nothing is applied: `--dryrun` prints, `--output DIR` writes. kubectl/sbatch are
   never called.
-- YAML comes from plain dicts through a small block-style emitter below, so the
-  launcher gains no runtime dependency (the tests parse it back with PyYAML).
+- YAML comes from plain dicts through PyYAML's SafeDumper; the shell script quotes
+  each value. Names are validated, every other value is quoted for its target: see
+  deploy_quoting (issue 12: a newline in a flag must not add a line or a document).
 - Flags the deployment sets per pod/node (--node-id, --master-addr, --standalone)
   are refused; --rdzv-endpoints means "use my etcd" (no etcd objects rendered).
 """
@@ -20,15 +21,15 @@ Choices, written down:
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from elastic_runner.cli import build_parser, default_run_id, parse_nodes, parse_nproc
+from elastic_runner.deploy_quoting import (
+    PARTITION, TIME, check_dns_label, check_grammar, check_id, check_text, dump_documents,
+    kube_literal, printable, shell_join, shell_quote, to_yaml)
 from elastic_runner.errors import ConfigError
 
 KINDS = ("kubernetes", "slurm")
@@ -68,7 +69,7 @@ def deploy_parser(kind: str) -> argparse.ArgumentParser:
     parser.prog = f"elastic-run deploy {kind}"
 
     def fail(message: str) -> None:
-        raise ConfigError(f"deploy {kind}: {message}")
+        raise ConfigError(printable(f"deploy {kind}: {message}"))
 
     parser.error = fail  # type: ignore[method-assign]  # one line, exit 2, via cli.main
     group = parser.add_argument_group("deploy")
@@ -101,7 +102,7 @@ def recorded_command(kind: str, argv: list[str], args: argparse.Namespace) -> st
             continue
         if not token.startswith("--output="):
             kept.append(token)
-    return shlex.join(["elastic-run", "deploy", kind, *kept, *tail])
+    return shell_join(["elastic-run", "deploy", kind, *kept, *tail])
 
 
 def format_value(value: Any) -> str:
@@ -125,7 +126,10 @@ def passthrough_flags(args: argparse.Namespace) -> list[str]:
         elif action.nargs == 0:
             flags.append(flag)
         else:
-            flags += [flag, format_value(value)]
+            for item in value if isinstance(action, argparse._AppendAction) else [value]:
+                text = format_value(item)
+                # "--log-dir -x" would read -x as a flag; "--log-dir=-x" cannot.
+                flags += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
     return flags
 
 
@@ -156,6 +160,23 @@ def check_args(kind: str, args: argparse.Namespace, min_nodes: int) -> None:
             raise ConfigError(f"deploy kubernetes: {flag} is for slurm only")
     if not args.dryrun and not args.output:
         raise ConfigError(f"deploy {kind}: give --output DIR to write the files, or --dryrun to print them")
+    check_names(kind, args)
+
+
+def check_names(kind: str, args: argparse.Namespace) -> None:
+    """Values that name things or sit in #SBATCH lines are validated, not quoted."""
+    if args.run_id is not None:
+        check_id(kind, "--run-id", args.run_id)
+    if kind == "kubernetes":
+        check_dns_label("--name", args.name)
+        if args.namespace is not None:
+            check_dns_label("--namespace", args.namespace)
+        return
+    check_id(kind, "--name", args.name)  # also the job name and the script's file name
+    if args.partition is not None:
+        check_grammar("--partition", args.partition, PARTITION, "a partition name such as gpu")
+    if args.time is not None:
+        check_grammar("--time", args.time, TIME, "a Slurm time such as 24:00:00 or 2-00:00:00")
 
 
 def parse_spec(argv: list[str]) -> tuple[DeploySpec, argparse.Namespace]:
@@ -163,10 +184,14 @@ def parse_spec(argv: list[str]) -> tuple[DeploySpec, argparse.Namespace]:
         raise ConfigError("deploy: say what to render: `elastic-run deploy kubernetes|slurm "
                           "--dryrun [launcher flags] train.py [args]`")
     kind, rest = argv[0], argv[1:]
+    check_text(rest)
     parser = deploy_parser(kind)
     args = parser.parse_args(rest)
-    min_nodes, max_nodes = parse_nodes(args)
-    check_args(kind, args, min_nodes)
+    try:
+        min_nodes, max_nodes = parse_nodes(args)
+        check_args(kind, args, min_nodes)
+    except ConfigError as exc:  # messages may quote a value; keep them on one line
+        raise type(exc)(printable(str(exc))) from exc
     endpoints = tuple(e.strip() for e in (args.rdzv_endpoints or "").split(",") if e.strip())
     run_id = args.run_id or (default_run_id(args) if kind == "kubernetes" else None)
     spec = DeploySpec(
@@ -176,59 +201,6 @@ def parse_spec(argv: list[str]) -> tuple[DeploySpec, argparse.Namespace]:
         tuple(passthrough_flags(args)),
         (*(("--module",) if args.module else ()), args.entrypoint, *args.args))
     return spec, args
-
-
-# ---- a tiny YAML emitter (block style; strings quoted unless plainly safe) ----------
-# Plain only when unambiguous: no leading digit/indicator, no trailing ":" (fullmatch: no "\n").
-_PLAIN = re.compile(r"(?:[A-Za-z/$]|-[-A-Za-z])(?:[A-Za-z0-9_./:$()=,@-]*[A-Za-z0-9_./$()=,@-])?")
-_PAIR = re.compile(r"\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
-_RESERVED = {"true", "false", "yes", "no", "on", "off", "y", "n", "null"}
-
-
-def yaml_scalar(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    text = str(value)
-    if _PLAIN.fullmatch(text) and text.lower() not in _RESERVED:
-        return text
-    # An ASCII JSON string is a YAML double-quoted scalar, except that YAML wants
-    # characters beyond the BMP as \UXXXXXXXX, not as a UTF-16 surrogate pair.
-    return _PAIR.sub(lambda m: "\\U%08x" % (0x10000 + ((int(m[1], 16) - 0xD800) << 10)
-                                            + int(m[2], 16) - 0xDC00), json.dumps(text))
-
-
-def yaml_lines(value: Any, indent: int = 0) -> list[str]:
-    pad = " " * indent
-    if isinstance(value, dict):
-        lines = []
-        for key, item in value.items():
-            if isinstance(item, (dict, list)) and item:
-                lines.append(f"{pad}{yaml_scalar(key)}:")
-                lines += yaml_lines(item, indent + 2)
-            else:
-                lines.append(f"{pad}{yaml_scalar(key)}: {inline(item)}")
-        return lines
-    lines = []
-    for item in value:
-        sub = yaml_lines(item, indent + 2) if isinstance(item, (dict, list)) and item \
-            else [pad + "  " + inline(item)]
-        lines.append(f"{pad}- {sub[0][indent + 2:]}")
-        lines += sub[1:]
-    return lines
-
-
-def inline(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{}"
-    if isinstance(value, list):
-        return "[]"
-    return yaml_scalar(value)
-
-
-def dump_documents(objects: list[dict], header: str) -> str:
-    return header + "".join("---\n" + "\n".join(yaml_lines(obj)) + "\n" for obj in objects)
 
 
 # ---- kubernetes ---------------------------------------------------------------------
@@ -288,10 +260,11 @@ def etcd_objects(spec: DeploySpec) -> list[dict]:
 
 
 def launcher_args(spec: DeploySpec, endpoints: str, run_id: str, per_node: list[str]) -> list[str]:
+    """The agent's argv in a pod; user values escaped for Kubernetes' $(VAR) expansion."""
     return ["--min-nodes", str(spec.min_nodes), "--max-nodes", str(spec.max_nodes),
-            "--nproc-per-node", spec.args.nproc_per_node if spec.kind == "slurm" else "$(NPROC_PER_NODE)",
-            "--rdzv-endpoints", endpoints, "--run-id", run_id, *per_node,
-            *spec.passthrough, *spec.entry]
+            "--nproc-per-node", "$(NPROC_PER_NODE)", "--rdzv-endpoints", kube_literal(endpoints),
+            "--run-id", run_id, *per_node,
+            *(kube_literal(a) for a in (*spec.passthrough, *spec.entry))]
 
 
 def train_resources(spec: DeploySpec) -> dict:
@@ -316,7 +289,7 @@ def train_deployment(spec: DeploySpec) -> dict:
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 # An env var, so an overlay can change it with a strategic-merge patch.
-                {"name": "NPROC_PER_NODE", "value": spec.args.nproc_per_node},
+                {"name": "NPROC_PER_NODE", "value": kube_literal(spec.args.nproc_per_node)},
                 {"name": "PYTHONUNBUFFERED", "value": "1"}],
         "resources": train_resources(spec),
         # torch workers share tensors through /dev/shm; the container default is 64 MiB.
@@ -338,6 +311,7 @@ def train_deployment(spec: DeploySpec) -> dict:
 
 
 def header(spec: DeploySpec) -> str:
+    # spec.command is shell_join'ed: printable, so it cannot end the comment line.
     return (f"# Rendered by: {spec.command}\n"
             "# Re-render with other flags rather than editing by hand.\n")
 
@@ -349,7 +323,7 @@ def kubernetes_files(spec: DeploySpec) -> dict[str, str]:
     files["train.yaml"] = dump_documents([train_deployment(spec)], header(spec))
     kustomization: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1",
                                      "kind": "Kustomization", "resources": list(files)}
-    files["kustomization.yaml"] = header(spec) + "\n".join(yaml_lines(kustomization)) + "\n"
+    files["kustomization.yaml"] = header(spec) + to_yaml(kustomization)
     return files
 
 
@@ -367,16 +341,16 @@ def slurm_script(spec: DeploySpec) -> str:
     directives += [f"--gpus-per-node={spec.args.gpus_per_node}"] if spec.args.gpus_per_node else []
     directives += [f"--partition={spec.args.partition}"] if spec.args.partition else []
     directives += [f"--time={spec.args.time}"] if spec.args.time else []
-    core = [shlex.quote(a) for a in launcher_args(spec, "@E@", "@R@", [])[:10]]
-    lines = [" ".join(core), shlex.join(spec.passthrough), shlex.join(spec.entry)]
-    command = " \\\n    ".join(line for line in lines if line)
-    command = command.replace("@E@", '"$ETCD_ENDPOINTS"').replace("@R@", '"$RUN_ID"')
+    core = shell_join(["--min-nodes", str(spec.min_nodes), "--max-nodes", str(spec.max_nodes),
+                       "--nproc-per-node", spec.args.nproc_per_node])
+    lines = [core + ' --rdzv-endpoints "$ETCD_ENDPOINTS" --run-id "$RUN_ID"',
+             shell_join(spec.passthrough), shell_join(spec.entry)]
     return SLURM_BODY.format(
         header=header(spec).rstrip("\n"),
         directives="\n".join(f"#SBATCH {d}" for d in directives),
-        run_id=shlex.quote(spec.run_id) if spec.run_id else '"$SLURM_JOB_ID"',
-        endpoints=shlex.quote(",".join(spec.endpoints)) if spec.endpoints else "", command=command,
-        grace=spec.grace_s)
+        run_id=shell_quote(spec.run_id) if spec.run_id else '"$SLURM_JOB_ID"',
+        endpoints=shell_quote(",".join(spec.endpoints)) if spec.endpoints else "",
+        command=" \\\n    ".join(line for line in lines if line), grace=spec.grace_s)
 
 
 SLURM_BODY = """\

@@ -3,7 +3,7 @@
 Golden files live in tests/golden/. After an intended change to the renderer,
 regenerate them (and the rendered recipes under deploy/) with
 
-    ELASTIC_RUN_REGEN_GOLDEN=1 /work/venv/bin/python -m pytest tests/unit/test_deploy.py
+    ELASTIC_RUN_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_deploy.py
 
 and review the diff. Schemas come from the `kubernetes-validate` package (the
 Kubernetes OpenAPI definitions as JSON Schema, strict variant: unknown fields
@@ -24,7 +24,7 @@ import pytest
 import yaml
 from hypothesis import given, strategies as st
 
-from elastic_runner import cli, deploy
+from elastic_runner import cli, deploy, deploy_quoting
 from elastic_runner.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,17 @@ CASES = {
                         "--gpus-per-node 8 --partition gpu --time 24:00:00 train.py --lr '0.1 x'",
     "slurm-cpu.sbatch": "slurm --dryrun --min-nodes 1 --max-nodes 2 --run-id nightly "
                         "--rdzv-endpoints http://etcd:2379 --notice-deadline 90 train.py",
+    # Hostile values (issue 12): each must stay one inert value; see test_deploy_hostile.py.
+    "kubernetes-hostile.yaml": "kubernetes --dryrun --run-id job7 --image 'reg.example/t:1' "
+                               "--log-dir 'a\nb: c' train.py 'x\n---\napiVersion: v1\nkind: Pod' "
+                               "'$(POD_IP)' '`touch PWNED`' \"it's # {here}\"",
+    "slurm-hostile.sbatch": "slurm --dryrun --run-id nightly --partition gpu --time 1:00:00 "
+                            "--log-dir 'a\ntouch PWNED' train.py 'x\ntouch PWNED' '$(touch PWNED)' "
+                            "'`id`' \"it's # \\\"q\\\"\"",
 }
+HOSTILE_ARGS = {"kubernetes-hostile.yaml": ["x\n---\napiVersion: v1\nkind: Pod", "$(POD_IP)",
+                                            "`touch PWNED`", "it's # {here}"],
+                "slurm-hostile.sbatch": ["x\ntouch PWNED", "$(touch PWNED)", "`id`", 'it\'s # "q"']}
 
 
 def render(args: str, capsys) -> str:
@@ -106,6 +116,21 @@ def test_rendered_objects_pass_the_kubernetes_schema(golden, capsys):
         check_object(obj)
 
 
+@pytest.mark.parametrize("golden", sorted(HOSTILE_ARGS))
+def test_hostile_golden_values_read_back(golden, capsys):
+    argv = shlex.split(CASES[golden])
+    assert argv[-4:] == HOSTILE_ARGS[golden]
+    text = render(CASES[golden], capsys)
+    assert text.count("\n---\n") == (5 if golden.endswith(".yaml") else 0)
+    if golden.endswith(".yaml"):
+        args = deployment_of(objects_of(text))["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[-7:] == ["--log-dir", "a\nb: c", "train.py",
+                             *(a.replace("$", "$$") for a in HOSTILE_ARGS[golden])]
+    else:  # the script itself is run with stubs in test_deploy_hostile.py
+        assert "\n    train.py $'x\\ntouch PWNED' '$(touch PWNED)' '`id`' " in text
+        assert "\ntouch PWNED" not in text
+
+
 def test_yaml_round_trips_through_pyyaml(capsys):
     spec, _ = deploy.parse_spec(shlex.split(CASES["kubernetes-gpu.yaml"]))
     expected = deploy.etcd_objects(spec) + [deploy.train_deployment(spec)]
@@ -117,7 +142,7 @@ def test_yaml_round_trips_through_pyyaml(capsys):
     st.text(), st.text(alphabet="aY-:/$()=,@._ \n#'\"0", max_size=8), st.integers(),
     st.booleans(), st.lists(st.text()))))
 def test_emitter_round_trips_any_strings(data):
-    assert yaml.safe_load("\n".join(deploy.yaml_lines({"x": data})) + "\n") == {"x": data}
+    assert yaml.safe_load(deploy_quoting.to_yaml({"x": data})) == {"x": data}
 
 
 @pytest.mark.parametrize("breakage, message", [
