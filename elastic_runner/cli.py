@@ -18,14 +18,13 @@ import sys
 import urllib.parse
 from pathlib import Path
 
-from elastic_runner.agent import default_node_id
 from elastic_runner.cloud_notice import CLOUDS, DEFAULT_BASE_URLS
 from elastic_runner.config import (
     AgentConfig, CloudNoticeConfig, EtcdConfig, RendezvousConfig, WorkerConfig,
 )
 from elastic_runner.contract import DEFAULT_SIGNALS_TO_HANDLE
 from elastic_runner.errors import ConfigError, ElasticRunError, EXIT_CODES, exit_code_for
-from elastic_runner.etcd.client import parse_endpoint
+from elastic_runner.etcd.endpoints import parse_endpoint
 from elastic_runner.validation import (
     check_id, check_log_dir, check_nproc, check_numbers, check_tls_files, parse_bool, sanitize_id,
 )
@@ -258,6 +257,10 @@ def entry_argv(args) -> tuple[tuple[str, ...], str]:
     return argv, digest.hexdigest()[:16]
 
 
+def default_node_id() -> str:
+    return f"{os.uname().nodename}-{os.getpid()}"
+
+
 def default_run_id(args) -> str:
     name = sanitize_id(Path(args.entrypoint).stem.replace(".", "-"))
     digest = hashlib.sha256("\0".join([args.entrypoint, *args.args]).encode()).hexdigest()
@@ -397,12 +400,13 @@ def setup_logging(verbosity: int, node_id: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     environ = dict(os.environ)
-    verbose = "-v" in argv or "--verbose" in argv
+    verbose = False  # the detail of an error, once -v is known to be ours (not the script's)
     try:
         if argv[:1] and argv[0] in SUBCOMMANDS:
             module = importlib.import_module(f"elastic_runner.{SUBCOMMANDS[argv[0]]}")
             return module.main(argv[1:], environ)
         args = parse_args(argv, environ)
+        verbose = args.verbose > 0
         config = build_config(args, environ, count_gpus() if args.nproc_per_node in
                               ("auto", "gpu") else 0)
         setup_logging(config.verbosity, config.rendezvous.node_id)

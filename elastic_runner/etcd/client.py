@@ -14,7 +14,6 @@ import os
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
-from urllib.parse import urlparse
 
 # The agent forks workers while gRPC threads run; gRPC's fork handlers only log
 # noise there, and the children exec at once without touching gRPC.
@@ -28,6 +27,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import ConfigError, EtcdAuthError, EtcdError, EtcdUnavailable
+from elastic_runner.etcd.endpoints import parse_endpoint
 from elastic_runner.etcd.tls import tls_problem
 
 log = logging.getLogger(__name__)
@@ -97,21 +97,6 @@ class Delete:
 class TxnResult:
     succeeded: bool
     revision: int
-
-
-def parse_endpoint(url: str) -> tuple[str, int, bool]:
-    """Split `http://host:2379` into (host, port, tls); bare host:port allowed."""
-    text = url.strip()
-    parsed = urlparse(text if "://" in text else f"http://{text}")
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ConfigError(
-            f"malformed etcd endpoint {url!r}: use http://HOST:PORT or https://HOST:PORT"
-        )
-    try:
-        port = parsed.port or 2379
-    except ValueError as exc:
-        raise ConfigError(f"malformed etcd endpoint {url!r}: bad port ({exc})") from exc
-    return parsed.hostname, port, parsed.scheme == "https"
 
 
 class EtcdClient:
