@@ -6,6 +6,12 @@ per round); applying watch events to a copy costs one watch per agent, so etcd's
 load grows linearly with the number of nodes. The copy is also indexed by
 directory: at a thousand agents, scanning every key on each evaluation (all
 rounds' joins, all nodes) was most of an agent's CPU.
+
+The copy also records when this agent first saw each key, on its own monotonic
+clock: timestamps written by other machines are not comparable with ours (their
+wall clocks drift and step), but "how long ago did I see this node register" is
+measured on one clock. A key already there when the copy was read counts as
+first seen then: it may be older, and nothing here can tell how much.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from elastic_runner.etcd.client import EtcdClient, KeyValue, WatchEvent
 
 class PrefixMirror:
     def __init__(self, client: EtcdClient, prefix: str,
-                 ignore: Callable[[str], bool] = lambda key: False):
+                 ignore: Callable[[str], bool] = lambda key: False,
+                 clock: Callable[[], float] = time.monotonic):
         self._client = client
+        self._clock = clock
         self.prefix = prefix
         # Keys under the prefix that decide nothing here (bulk data written by
         # others) are not copied and do not wake waiters.
@@ -28,6 +36,8 @@ class PrefixMirror:
         self._entries: dict[str, KeyValue] = {}
         self._directories: dict[str, dict[str, KeyValue]] = {}
         self._deletions: dict[str, int] = {}
+        # key -> (create revision, our clock when we first saw that incarnation).
+        self._first_seen: dict[str, tuple[int, float]] = {}
         self._revision = 0
         # Bumped on every change or wake(): a waiter that read generation g before
         # evaluating state sleeps only while nothing has happened since g.
@@ -37,11 +47,15 @@ class PrefixMirror:
 
     def start(self) -> None:
         entries, revision = self._client.get_prefix(self.prefix)
+        now = self._clock()
         with self._changed:
             self._entries, self._directories = {}, {}
             for kv in entries:
                 if not self._ignore(kv.key):
-                    self._store(kv)
+                    self._store(kv, now)
+            # A resync keeps what it saw before for keys that are still the same.
+            self._first_seen = {key: seen for key, seen in self._first_seen.items()
+                                if key in self._entries}
             self._revision = revision
         self._watch = self._client.watch_prefix(self.prefix, revision + 1, self._apply)
 
@@ -64,6 +78,7 @@ class PrefixMirror:
         events = [e for e in events if not self._ignore(e.key)]
         if not events:
             return
+        now = self._clock()
         with self._changed:
             for event in events:
                 if event.mod_revision <= self._revision:
@@ -72,17 +87,21 @@ class PrefixMirror:
                     self._drop(event.key)
                 else:
                     self._store(KeyValue(event.key, event.value, event.create_revision,
-                                         event.mod_revision, event.version, event.lease))
+                                         event.mod_revision, event.version, event.lease), now)
             self._revision = max(self._revision, events[-1].mod_revision)
             self._generation += 1
             self._changed.notify_all()
 
-    def _store(self, kv: KeyValue) -> None:
+    def _store(self, kv: KeyValue, now: float) -> None:
+        seen = self._first_seen.get(kv.key)
+        if seen is None or seen[0] != kv.create_revision:
+            self._first_seen[kv.key] = (kv.create_revision, now)
         self._entries[kv.key] = kv
         self._directories.setdefault(_directory(kv.key), {})[kv.key] = kv
 
     def _drop(self, key: str) -> None:
         self._entries.pop(key, None)
+        self._first_seen.pop(key, None)
         directory = _directory(key)
         self._deletions[directory] = self._deletions.get(directory, 0) + 1
         siblings = self._directories.get(directory)
@@ -99,6 +118,22 @@ class PrefixMirror:
     def get(self, key: str) -> KeyValue | None:
         with self._changed:
             return self._entries.get(key)
+
+    def first_seen(self, key: str) -> float | None:
+        """When this copy first saw the key's current incarnation, on our clock.
+
+        A key deleted and created again is new. Keys found when the copy was read
+        (start or resync) count as seen then. None when the copy lacks the key.
+        """
+        with self._changed:
+            seen = self._first_seen.get(key)
+            return seen[1] if seen is not None else None
+
+    def first_seen_in(self, directory: str) -> dict[str, float]:
+        """`first_seen` of every key directly inside `directory`, under one lock."""
+        with self._changed:
+            return {key: self._first_seen[key][1]
+                    for key in self._directories.get(directory, {}) if key in self._first_seen}
 
     def children(self, directory: str) -> list[KeyValue]:
         """The keys directly inside `directory` (ending in "/"), in key order."""

@@ -97,3 +97,30 @@ def test_unreachable_endpoint_is_a_typed_error_naming_it():
     with pytest.raises(EtcdUnavailable, match=endpoint):
         client.get("/x")
     client.close()
+
+
+def test_mirror_records_when_it_first_saw_each_key_on_its_own_clock(etcd):
+    """Registration times for decisions: one agent's clock, never another machine's."""
+    client = make_client(etcd.endpoint)
+    now = [100.0]
+    client.put("/f/old", b"1")
+    mirror = PrefixMirror(client, "/f/", clock=lambda: now[0])
+    mirror.start()
+    assert mirror.first_seen("/f/old") == 100.0  # found at start: counts as seen then
+    now[0] = 105.0
+    assert mirror.wait_revision(client.put("/f/new", b"1"), timeout_s=5)
+    assert mirror.first_seen("/f/new") == 105.0
+    now[0] = 107.0
+    assert mirror.wait_revision(client.put("/f/old", b"2"), timeout_s=5)
+    assert mirror.first_seen("/f/old") == 100.0  # rewritten, not new
+    client.txn([], [Delete("/f/new")])
+    now[0] = 109.0
+    assert mirror.wait_revision(client.put("/f/new", b"again"), timeout_s=5)
+    assert mirror.first_seen("/f/new") == 109.0  # deleted and created again: new
+    now[0] = 111.0
+    mirror.resync()
+    assert (mirror.first_seen("/f/old"), mirror.first_seen("/f/new")) == (100.0, 109.0)
+    assert mirror.first_seen("/f/missing") is None
+    assert mirror.first_seen_in("/f/") == {"/f/old": 100.0, "/f/new": 109.0}
+    mirror.stop()
+    client.close()
