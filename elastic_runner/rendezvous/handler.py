@@ -15,16 +15,16 @@ import threading
 import time
 from dataclasses import dataclass
 
-from elastic_runner.config import OLDER_SCHEMA_PREFIXES, RendezvousConfig
+from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
-    EtcdAuthError, EtcdError, RendezvousTimeout, RunFinished, SchemaMismatch, ShutdownRequested, SpecMismatch,
-    WorkerFailure,
+    RendezvousTimeout, RunFinished, ShutdownRequested, WorkerFailure,
 )
 from elastic_runner.etcd.client import EtcdClient, Put, key_missing, mod_revision_is
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
 from elastic_runner.etcd.server import free_port
 from elastic_runner.rendezvous import protocol as p
+from elastic_runner.rendezvous import registration
 from elastic_runner.rendezvous.failures import failure_message
 
 log = logging.getLogger(__name__)
@@ -82,56 +82,25 @@ class EtcdRendezvous:
 
     # ---- membership -------------------------------------------------------------
     def register(self) -> None:
-        """Check the job spec, take a lease and announce this node."""
-        self._check_spec()
-        self.mirror.start()
-        self._take_lease()
+        """Check the job spec, take a lease and announce this node.
 
-    def _check_spec(self) -> None:
-        for older in OLDER_SCHEMA_PREFIXES:
-            if self._count_readable(f"{older}/{self._config.run_id}/"):
-                raise SchemaMismatch(
-                    f"run {self._config.run_id!r} has keys under {older}/ written by an older "
-                    "elastic-runner; finish it with that version, or pass a new --run-id")
-        key = p.spec_key(self.prefix)
-        if self._client.create_if_absent(key, self._spec.to_json()):
-            return
-        existing = self._client.get(key)
-        conflict = p.spec_conflict(p.JobSpec.from_json(existing.value), self._spec)
-        if conflict:
-            raise SpecMismatch(
-                f"run {self._config.run_id!r} already runs a different job ({conflict}); "
-                "start this node with the same flags and script, or pass a new --run-id"
-            )
-
-    def _count_readable(self, prefix: str) -> int:
-        """Keys under prefix; 0 where an etcd role limited to this run may not look."""
-        try:
-            return self._client.count_prefix(prefix)
-        except EtcdAuthError:
-            return 0
-
-    def _take_lease(self, attempts: int = 2) -> None:
-        """Grant a lease and announce this node under it.
-
-        A lease can expire between the grant and the put when this process is
-        starved of CPU for longer than the TTL; one retry with a fresh lease
-        turns that into a delay instead of a crash.
+        Raises:
+            SpecMismatch / SchemaMismatch: the run id belongs to another job.
+            DuplicateNodeId: a live agent of this run already uses our --node-id.
         """
-        record = json.dumps({"node_id": self.node_id, "addr": self._config.node_addr,
-                             "nproc": self._config.nproc, "labels": dict(self._config.labels),
-                             "registered_at": time.time()}).encode()
-        for attempt in range(attempts):
-            self.lease = KeptLease(self._client, self._config.lease_ttl_s,
-                                   on_lost=self.mirror.wake)
-            try:
-                self._client.put(p.node_key(self.prefix, self.node_id), record,
-                                 lease=self.lease.id)
-                return
-            except EtcdError as exc:
-                self.lease.stop()
-                if "lease not found" not in str(exc) or attempt == attempts - 1:
-                    raise
+        registration.check_spec(self._client, self._config, self._spec)
+        self.mirror.start()
+        try:
+            self._take_lease()
+        except BaseException:
+            self.mirror.stop()
+            raise
+
+    def _take_lease(self) -> None:
+        """Create our node key under a fresh lease (registration.py: never over another's)."""
+        record = registration.node_record(self._config, time.time)
+        self.lease = registration.take_lease(self._client, self._config, self.mirror, record,
+                                             on_lost=self.mirror.wake)
 
     def leave(self) -> None:
         """Revoke the lease so the others re-form now rather than after the TTL."""

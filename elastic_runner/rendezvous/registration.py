@@ -1,0 +1,151 @@
+"""Registering a node: the run's job spec, then this node's key under its own lease.
+
+Why create-if-absent: with a plain put, a second agent started with the same
+--node-id overwrote the first one's key, and each then ran as rank 0 of a world
+of one. The node key is now created only where none exists, under the creating
+agent's lease, so one live agent holds an id at a time, and the id is free again
+once that lease is gone (revoked on exit, expired after a crash). Re-registering
+after our own lease was lost goes through the same check: our old key went with
+the old lease, and an agent that took the id meanwhile is a duplicate too.
+
+Why wait before calling a held id a duplicate: a node restarted right after a
+crash finds its old key still held by the dead agent's lease. We wait out that
+lease's remaining TTL, as etcd reports it (no other machine's clock involved);
+a key that outlives it belongs to an agent that renewed its lease: a live one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Callable
+
+from elastic_runner.config import OLDER_SCHEMA_PREFIXES, RendezvousConfig
+from elastic_runner.errors import (
+    DuplicateNodeId, EtcdAuthError, EtcdError, SchemaMismatch, SpecMismatch,
+)
+from elastic_runner.etcd.client import EtcdClient, KeyValue
+from elastic_runner.etcd.lease import KeptLease
+from elastic_runner.etcd.mirror import PrefixMirror
+from elastic_runner.rendezvous import protocol as p
+
+# etcd checks for expired leases every 500 ms, and a leader change extends every
+# lease by an election timeout: a dead holder's key may outlive its TTL by this much.
+EXPIRY_SLACK_S = 2.0
+# Create attempts per registration: a key freed and taken again this often while we
+# tried means live agents are competing for the id.
+CLAIM_ATTEMPTS = 3
+
+
+def check_spec(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec) -> None:
+    """Write the run's job spec, or check ours against the one the run started with."""
+    for older in OLDER_SCHEMA_PREFIXES:
+        if _count_readable(client, f"{older}/{config.run_id}/"):
+            raise SchemaMismatch(
+                f"run {config.run_id!r} has keys under {older}/ written by an older "
+                "elastic-runner; finish it with that version, or pass a new --run-id")
+    key = p.spec_key(config.prefix)
+    if client.create_if_absent(key, spec.to_json()):
+        return
+    existing = client.get(key)
+    conflict = p.spec_conflict(p.JobSpec.from_json(existing.value), spec)
+    if conflict:
+        raise SpecMismatch(
+            f"run {config.run_id!r} already runs a different job ({conflict}); "
+            "start this node with the same flags and script, or pass a new --run-id"
+        )
+
+
+def _count_readable(client: EtcdClient, prefix: str) -> int:
+    """Keys under prefix; 0 where an etcd role limited to this run may not look."""
+    try:
+        return client.count_prefix(prefix)
+    except EtcdAuthError:
+        return 0
+
+
+def node_record(config: RendezvousConfig, wall_clock: Callable[[], float]) -> bytes:
+    """What a node key holds: who to look for when its id is contested, and for `status`.
+
+    `registered_at` is this machine's wall clock, for display only: no decision
+    compares it with another machine's clock.
+    """
+    return json.dumps({"node_id": config.node_id, "addr": config.node_addr,
+                       "hostname": socket.gethostname(), "pid": os.getpid(),
+                       "nproc": config.nproc, "labels": dict(config.labels),
+                       "registered_at": wall_clock()}).encode()
+
+
+def take_lease(client: EtcdClient, config: RendezvousConfig, mirror: PrefixMirror,
+               record: bytes, on_lost: Callable[[], None], attempts: int = 2) -> KeptLease:
+    """Grant a lease and create this node's key under it.
+
+    A lease can expire between the grant and the create when this process is
+    starved of CPU for longer than the TTL; one retry with a fresh lease turns
+    that into a delay instead of a crash. `mirror` must be started.
+
+    Raises:
+        DuplicateNodeId: a live agent of this run holds our --node-id.
+    """
+    for attempt in range(attempts):
+        lease = KeptLease(client, config.lease_ttl_s, on_lost=on_lost)
+        try:
+            claim(client, config, mirror, record, lease.id)
+            return lease
+        except DuplicateNodeId:
+            lease.revoke()
+            raise
+        except EtcdError as exc:
+            lease.stop()
+            if "lease not found" not in str(exc) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def claim(client: EtcdClient, config: RendezvousConfig, mirror: PrefixMirror, record: bytes,
+          lease_id: int) -> None:
+    """Create our node key under `lease_id`; wait out a dead holder, refuse a live one."""
+    key = p.node_key(config.prefix, config.node_id)
+    holder = None
+    for _ in range(CLAIM_ATTEMPTS):
+        if client.create_if_absent(key, record, lease=lease_id):
+            return
+        holder = client.get(key)
+        if holder is None:
+            continue  # freed between our create and our read
+        if holder.lease == lease_id:
+            return  # our own create: its answer was lost and the retry found the key
+        if _outlives_lease(client, mirror, holder):
+            break
+    raise DuplicateNodeId(duplicate_message(config, holder))
+
+
+def _outlives_lease(client: EtcdClient, mirror: PrefixMirror, holder: KeyValue) -> bool:
+    """Wait for `holder`'s lease to run out: True when its key is still there after."""
+    if not holder.lease:
+        return True  # written without a lease: it never expires
+    remaining = max(client.lease_remaining(holder.lease), 0)  # -1 once expired
+    timeout_s = remaining + EXPIRY_SLACK_S
+    mirror.wait_revision(holder.mod_revision, timeout_s=timeout_s)
+
+    def gone() -> bool:
+        kv = mirror.get(holder.key)
+        return kv is None or kv.create_revision != holder.create_revision
+    return not mirror.wait_until(gone, timeout_s)
+
+
+def duplicate_message(config: RendezvousConfig, holder: KeyValue | None) -> str:
+    """One line: which id, who holds it (from its record), and what to do."""
+    try:
+        record = json.loads(holder.value) if holder is not None else {}
+    except ValueError:
+        record = {}
+    record = record if isinstance(record, dict) else {}
+    who = ", ".join(f"{label} {record[field]}" for field, label in
+                    (("addr", "addr"), ("hostname", "host"), ("pid", "pid"))
+                    if record.get(field) not in (None, ""))
+    who = f"{who}; " if who else ""
+    return (f"node id {config.node_id!r} is already registered by a live agent of run "
+            f"{config.run_id!r} ({who}its lease stayed alive past its TTL); give this node "
+            "another --node-id, or stop that agent first")
