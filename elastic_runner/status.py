@@ -133,6 +133,8 @@ def _checkpoint(client, prefix: str, now: float) -> dict | None:
     record = _json(client.get(p.checkpoint_key(prefix)))
     if record is None:
         return None
+    if record.get("sha256") is None:  # checkpoint_latest.NO_CHECKPOINT: the newest rotted
+        return {"step": None, "url": None, "retracted": True}
     found = {"step": record.get("step"), "url": record.get("url"),
              "world_size": record.get("world_size")}
     if isinstance(record.get("time"), (int, float)):
@@ -210,7 +212,10 @@ def render_status(console, status: dict) -> None:
             f" ({status['cause']}), world size {status['world_size']}, master "
             f"{status['master']}, restarts {status['restart_count']}")
     console.print(head)
-    if ckpt:
+    if ckpt and ckpt.get("retracted"):
+        console.print("checkpoint: none verified (the newest failed verification and was "
+                      "retracted)")
+    elif ckpt:
         age = f", {ckpt['age_s']:g} s ago" if "age_s" in ckpt else ""
         console.print(f"checkpoint: step {ckpt['step']} at {ckpt['url']}{age}")
     members = Table(title=f"members (plan of round {status['plan_round']})")

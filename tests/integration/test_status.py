@@ -97,3 +97,23 @@ def test_watch_rerenders_when_a_node_joins(job):
     finally:
         watcher.send_signal(signal.SIGINT)
         assert watcher.wait(timeout=20) == 0
+
+
+def test_a_retracted_checkpoint_record_reads_as_none_verified(etcd):
+    """After rot, the record is checkpoint_latest.NO_CHECKPOINT: status must not claim
+    'step -1 at None'."""
+    from elastic_runner.checkpoint_latest import NO_CHECKPOINT
+
+    client = connect(EtcdConfig((etcd.endpoint,), 2.0, 5.0))
+    try:
+        prefix = "/elastic-runner/v1/rotten/"
+        client.put(prefix + "round", json.dumps({"number": 0, "state": "open",
+                                                 "cause": "start"}).encode())
+        client.put(prefix + "checkpoint/latest", json.dumps(NO_CHECKPOINT).encode())
+        assert run_status(client, "rotten")["checkpoint"] == {
+            "step": None, "url": None, "retracted": True}
+    finally:
+        client.close()
+    done = status_cli(etcd.endpoint, "--run-id", "rotten")
+    assert done.returncode == 0, done.stderr
+    assert "none verified" in done.stdout and "step -1" not in done.stdout
