@@ -5,6 +5,11 @@ arrive through one watch (a PrefixMirror), and every write that decides
 something is a transaction: joining compares the round's mod revision, so nobody
 joins a round after it closed; closing compares it too and writes the plan and
 the closed state together, so racing closers agree on one plan.
+
+Clocks are injected (`clock`: monotonic, for every decision; `wall_clock`: only
+for records people read) so a test can run agents whose clocks disagree, as
+those of different machines do. No decision compares a time written by another
+agent: "quiet for S seconds" is measured from when this agent saw the event.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
@@ -26,6 +32,7 @@ from elastic_runner.etcd.server import free_port
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous import registration
 from elastic_runner.rendezvous.failures import failure_message
+from elastic_runner.rendezvous.newcomers import Newcomers
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +66,18 @@ class _OpenRoundLook:
 
 class EtcdRendezvous:
     def __init__(self, client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
-                 max_restarts: int):
+                 max_restarts: int, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
         self._client = client
         self._config = config
         self._spec = spec
         self._max_restarts = max_restarts
+        self._clock = clock
+        self._wall_clock = wall_clock
         self.prefix = config.prefix
         self.node_id = config.node_id
-        self.mirror = PrefixMirror(client, self.prefix, ignore=p.is_passive_key)
+        self.mirror = PrefixMirror(client, self.prefix, ignore=p.is_passive_key, clock=clock)
+        self.newcomers = Newcomers(self.mirror, config, clock)
         self.lease: KeptLease | None = None
         self.shutdown = threading.Event()
         self._min_met_at: dict[int, float] = {}
@@ -98,7 +109,7 @@ class EtcdRendezvous:
 
     def _take_lease(self) -> None:
         """Create our node key under a fresh lease (registration.py: never over another's)."""
-        record = registration.node_record(self._config, time.time)
+        record = registration.node_record(self._config, self._wall_clock)
         self.lease = registration.take_lease(self._client, self._config, self.mirror, record,
                                              on_lost=self.mirror.wake)
 
@@ -127,11 +138,6 @@ class EtcdRendezvous:
 
     def _live_nodes(self) -> set[str]:
         return {p.node_id_from_key(kv.key)
-                for kv in self.mirror.children(p.nodes_prefix(self.prefix))}
-
-    def _registrations(self) -> dict[str, float]:
-        """Live nodes and the wall-clock time each registered."""
-        return {p.node_id_from_key(kv.key): self._decode(kv, _registered_at)
                 for kv in self.mirror.children(p.nodes_prefix(self.prefix))}
 
     def _decode(self, kv, parse):
@@ -182,7 +188,7 @@ class EtcdRendezvous:
     def publish_event(self, record: dict) -> None:
         """A copy of an event for `status`, expiring on its own after EVENT_TTL_S."""
         lease = self._client.grant_lease(EVENT_TTL_S)
-        key = p.event_key(self.prefix, time.time_ns(), self.node_id)
+        key = p.event_key(self.prefix, int(self._wall_clock() * 1e9), self.node_id)
         self._client.put(key, json.dumps(record, default=str).encode(), lease=lease)
 
     def give_notice(self, round_number: int) -> None:
@@ -213,7 +219,7 @@ class EtcdRendezvous:
             RunFinished / WorkerFailure: the run ended while we waited.
             ShutdownRequested: `shutdown` was set (SIGTERM/SIGINT).
         """
-        deadline = time.monotonic() + self._config.join_timeout_s
+        deadline = self._clock() + self._config.join_timeout_s
         while True:
             if self.shutdown.is_set():
                 raise ShutdownRequested("shutdown requested during rendezvous")
@@ -252,26 +258,13 @@ class EtcdRendezvous:
             return 0.1  # our copy lags the closing transaction by a moment
         if plan.member(self.node_id):
             return plan
-        if not self._has_room(plan):
+        if not self.newcomers.has_room(plan, self._config.nproc):
             return 1.0  # standby: the run is full; a leaving member opens a round
-        wait = self._newcomer_wait(plan)
+        wait = self.newcomers.own_wait()
         if wait > 0:
-            return wait
+            return wait  # the plan's first member usually opens it sooner (newcomers.py)
         self.open_next(seen, "newcomer")
         return None
-
-    def _newcomer_wait(self, plan: p.Plan) -> float:
-        now = time.time()
-        registered = self._registrations()
-        others = [at for node, at in registered.items() if node != self.node_id]
-        return p.newcomer_wait(now, registered.get(self.node_id, now), others,
-                               self._config.settle_s, self._config.settle_max_s)
-
-    def _has_room(self, plan: p.Plan) -> bool:
-        """Could this node join the plan without exceeding --max-nodes/--max-workers?"""
-        room_for_workers = not self._config.max_workers or \
-            plan.world_size + self._config.nproc <= self._config.max_workers
-        return len(plan.members) < self._config.max_nodes and room_for_workers
 
     def _in_open_round(self, seen: RoundView, deadline: float):
         number = seen.state.number
@@ -282,7 +275,7 @@ class EtcdRendezvous:
         if wait is not None:
             return wait
         inputs, timers, previous = self._look_at_open_round(number, deadline)
-        now = time.monotonic()
+        now = self._clock()
         if p.may_close(inputs):
             backup_left = self._backup_closer_wait(number, now)
             if backup_left > 0:
@@ -305,10 +298,10 @@ class EtcdRendezvous:
         # Parsing every join record is only needed to count workers (and to close).
         workers = (sum(j.nproc for j in self._joiners(number))
                    if self._config.min_workers or self._config.max_workers else len(joined))
-        now, wall = time.monotonic(), time.time()
+        now = self._clock()
         opened_at = self._opened_at.setdefault(number, now)
         if len(joined) >= self._config.min_nodes and workers >= self._config.min_workers:
-            self._min_met_at.setdefault(number, wall)
+            self._min_met_at.setdefault(number, now)
         elif now >= deadline:
             raise RendezvousTimeout(
                 f"only {len(joined)} of --min-nodes {self._config.min_nodes} node(s) joined "
@@ -316,12 +309,12 @@ class EtcdRendezvous:
                 f"{self._config.join_timeout_s:g} s; start more nodes or lower --min-nodes"
             )
         previous = self.plan(number - 1) if number > 0 else None
-        registered = self._registrations()
+        registered = self.newcomers.registered()
         live = set(registered)
         self._first_joiner[number] = min(joiner_kvs, key=lambda kv: kv.create_revision).key
         min_met = self._min_met_at.get(number)
         settle_left = None if min_met is None else p.settle_remaining(
-            wall, min_met, max(registered.values(), default=0.0), self._config.settle_s,
+            now, min_met, max(registered.values(), default=min_met), self._config.settle_s,
             self._config.settle_max_s, live_unjoined=not live <= joined)
         drain_left = opened_at + self._config.drain_timeout_s - now
         inputs = p.CloseInputs(
@@ -365,8 +358,8 @@ class EtcdRendezvous:
         if in_etcd == [self.mirror.census(directory)[0] for directory in directories]:
             self._lagging_since.pop(number, None)
             return False
-        lagging_since = self._lagging_since.setdefault(number, time.monotonic())
-        if time.monotonic() - lagging_since > RESYNC_AFTER_S:
+        lagging_since = self._lagging_since.setdefault(number, self._clock())
+        if self._clock() - lagging_since > RESYNC_AFTER_S:
             log.warning("our copy of etcd disagrees with it for %.0f s; reading it again",
                         RESYNC_AFTER_S)
             self.mirror.resync()
@@ -387,7 +380,7 @@ class EtcdRendezvous:
             return None
         joined, _ = self.mirror.census(p.join_prefix(self.prefix, number))
         live, departures = self.mirror.census(p.nodes_prefix(self.prefix))
-        left = look.recheck_at - time.monotonic()
+        left = look.recheck_at - self._clock()
         if left <= 0 or departures != look.departures or joined >= live or \
                 joined >= self._config.max_nodes:
             return None
@@ -427,17 +420,28 @@ class EtcdRendezvous:
         if seen.state.state == p.FINISHED:
             return None
         departures = self.mirror.census(p.nodes_prefix(self.prefix))[1]
-        if self._members_checked == (plan.round, departures):
-            return None  # no node key deleted since every member was seen live
-        live = self._live_nodes()
-        lost = [node for node in plan.node_ids if node not in live]
-        if lost:
-            lost = self._confirm_lost(lost)
-        if lost:
-            self.open_next(seen, f"member-lost: {','.join(lost)}")
-            return f"member(s) lost: {', '.join(lost)}"
-        self._members_checked = (plan.round, departures)
-        return None
+        # Skipped while no node key was deleted since every member was seen live.
+        if self._members_checked != (plan.round, departures):
+            live = self._live_nodes()
+            lost = [node for node in plan.node_ids if node not in live]
+            if lost:
+                lost = self._confirm_lost(lost)
+            if lost:
+                self.open_next(seen, f"member-lost: {','.join(lost)}")
+                return f"member(s) lost: {', '.join(lost)}"
+            self._members_checked = (plan.round, departures)
+        return self._open_for_newcomers(seen, plan)
+
+    def _open_for_newcomers(self, seen: RoundView, plan: p.Plan) -> str | None:
+        """The plan's first member opens the next round once a newcomer is due.
+
+        It saw the newcomers register, so it tells a lone arrival (at once) from
+        a burst (after the settle quiet) on its own clock; see newcomers.py.
+        """
+        wait = self.newcomers.members_wait(plan)
+        if wait is None or wait > 0 or not self.open_next(seen, "newcomer"):
+            return None
+        return f"round {plan.round + 1} opened (newcomer)"
 
     def _confirm_lost(self, lost: list[str]) -> list[str]:
         """Members our copy misses that etcd still has mean the copy is wrong: re-read it.
@@ -455,10 +459,3 @@ class EtcdRendezvous:
         self._last_look = None
         return [node for node in lost if node not in registered]
 
-
-def _registered_at(kv) -> float:
-    """A node key's registration time; 0 for records written before it was kept."""
-    try:
-        return float(json.loads(kv.value).get("registered_at", 0.0))
-    except (ValueError, TypeError, AttributeError):
-        return 0.0

@@ -14,20 +14,30 @@ Choices written down here:
   as soon as every live registered node has joined (a re-formation needs no wait
   when nobody else is coming); or when --min-nodes is met, every live node has
   joined and none has registered for the settle time (all capped at
-  --settle-max after the minimum was met), unless live members of the previous plan are still missing and the
-  drain timeout (they may be checkpointing for this very resize) has not passed.
-- A node that finds itself outside a closed plan with room opens the next round
+  --settle-max after the minimum was met), unless live members of the previous
+  plan are still missing and the drain timeout (they may be checkpointing for
+  this very resize) has not passed.
+- A node outside a closed plan with room is admitted by the next round, opened
   at once when no other node registered within the settle time, but during a
-  burst of arrivals it waits for that quiet: a burst costs two re-formations
-  (its first arrival's, then everyone else's), not one per node. Registration times are the nodes' own
-  wall clocks, recorded in their node keys; skew only shifts a wait, and
-  --settle-max bounds it.
+  burst of arrivals only after that much quiet: a burst costs two re-formations
+  (its first arrival's, then everyone else's), not one per node. The plan's
+  first member opens it (it watched the newcomers arrive), the newcomer itself
+  when that member is slow (`newcomer_wait`, `members_open_wait`).
+- Times are never compared across machines. A registration's time is when the
+  agent deciding first saw its node key, on that agent's own monotonic clock
+  (wall clocks of different machines drift and step: one 60 s ahead made every
+  join wait out --settle-max). A key that was already in etcd when an agent
+  started watching counts as seen at that moment: the agent cannot know its
+  age, and assuming it recent only delays (by at most the settle time), where
+  assuming it old could split a burst into a round per node. etcd revisions,
+  not times, order registrations (rank order, first joiner).
 - A restart is counted only when workers failed and no member was lost: a crash
   that follows from a node vanishing is a membership change, not a failure.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import re
 from dataclasses import asdict, dataclass
@@ -327,6 +337,8 @@ def settle_remaining(now: float, min_met_at: float, last_arrival_at: float,
     not joined yet: it is on its way, and closing without it costs everyone
     another round. Never past `settle_max_s` after the minimum was met: a steady
     trickle of arrivals, or a node that never joins, must not hold it open forever.
+    All times are on the deciding agent's own clock (`last_arrival_at`: when it
+    saw the newest registration).
     """
     cap = min_met_at + settle_max_s
     if live_unjoined:
@@ -338,16 +350,37 @@ def newcomer_wait(now: float, registered_at: float, others_registered_at: list[f
                   settle_s: float, settle_max_s: float) -> float:
     """Seconds a node outside a closed plan waits before opening the next round.
 
-    `others_registered_at` are the registration times of every other live node,
-    members included. When none registered within `settle_s`, it opens at once
-    (a lone newcomer pays no wait); during a burst it waits for that much quiet,
-    so the burst's first arrival costs one round and all later ones a second,
-    bounded by `settle_max_s` after its own registration.
+    All times are the deciding agent's own clock: when it saw each registration.
+    `others_registered_at` are those of every other live node, members included.
+    When none registered within `settle_s`, it opens at once (a lone newcomer pays
+    no wait); during a burst it waits for that much quiet, so the burst's first
+    arrival costs one round and all later ones a second, bounded by
+    `settle_max_s` after its own registration.
     """
     if not others_registered_at:
         return 0.0
     return max(0.0, min(max(others_registered_at) + settle_s,
                         registered_at + settle_max_s) - now)
+
+
+def members_open_wait(now: float, registered_at: dict[str, float], waiting: list[str],
+                      settle_s: float, settle_max_s: float) -> float | None:
+    """Seconds before a member opens the next round for `waiting` newcomers (None: none wait).
+
+    The newcomer rule (`newcomer_wait`) evaluated for each waiting node by a member
+    that saw them all arrive; the first to come due decides. `registered_at` holds
+    every live node's registration time on the member's clock. O(nodes): the newest
+    registration other than a node's own is the newest or the second newest.
+    """
+    if not waiting:
+        return None
+    newest = heapq.nlargest(2, registered_at.items(), key=lambda item: item[1])
+    waits = []
+    for node in waiting:
+        others = [at for other, at in newest if other != node][:1]
+        waits.append(newcomer_wait(now, registered_at.get(node, now), others,
+                                   settle_s, settle_max_s))
+    return min(waits)
 
 
 def counts_as_restart(failed: bool, previous: tuple[str, ...], members: tuple[str, ...]) -> bool:

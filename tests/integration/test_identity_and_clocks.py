@@ -1,8 +1,12 @@
-"""Issue 12, item 4, against a real etcd.
+"""Issue 12, items 4 and 6, against a real etcd.
 
-A node id is held by one live agent at a time (create-if-absent under its
+Item 4: a node id is held by one live agent at a time (create-if-absent under its
 lease); a second live agent with the same id is refused with DuplicateNodeId, a
 crashed one's id is free once its lease runs out.
+
+Item 6: no decision compares clocks of different machines. One agent runs with
+its clocks (wall and monotonic) 60 s off, as another machine's may be; the
+rendezvous must behave as if they agreed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous import registration
 from elastic_runner.rendezvous.handler import EtcdRendezvous
+from tests.integration.test_rendezvous_handler import Node, wait_for_agreement
 
 TTL_S = 2
 
@@ -90,3 +95,68 @@ def test_a_create_retried_after_a_lost_answer_finds_its_own_key(agent):
     record = registration.node_record(rdzv._config, time.time)
     registration.claim(rdzv._client, rdzv._config, rdzv.mirror, record, rdzv.lease.id)
     assert holder_lease(rdzv) == rdzv.lease.id
+
+
+# ---- item 6: decisions on each agent's own clock -----------------------------------
+SETTLE_MAX_S = 30.0
+
+
+def skewed(offset: float) -> dict:
+    """Clocks of a machine `offset` s away from the others (monotonic origins differ too)."""
+    return {"clock": lambda: time.monotonic() + offset,
+            "wall_clock": lambda: time.time() + offset}
+
+
+@pytest.fixture
+def node(etcd):
+    started: list[Node] = []
+
+    def start(run: str, node_id: str, **options) -> Node:
+        started.append(Node(etcd.endpoint, run, node_id, 8, **options).start())
+        return started[-1]
+
+    yield start
+    for each in started:
+        each.stop()
+
+
+@pytest.mark.parametrize("offset", [60.0, -60.0])
+@pytest.mark.parametrize("who", ["first member", "second member", "newcomer"])
+def test_newcomers_join_in_one_round_whatever_one_clock_says(node, who, offset):
+    """Measured before the fix: one member 60 s ahead held every join to --settle-max.
+
+    Each join must be admitted by the next round, through the settle quiet (0.5 s)
+    rather than the --settle-max cap (30 s): the bound checks which rule fired.
+    """
+    run = f"skew-{who.replace(' ', '-')}{offset:+.0f}"
+    timing = {"settle_s": 0.5, "settle_max_s": SETTLE_MAX_S}
+
+    def clocks(name: str) -> dict:
+        return {**timing, **(skewed(offset) if name == who else {})}
+
+    nodes = [node(run, "m0", **clocks("first member"))]
+    plan = wait_for_agreement(nodes, 1, timeout_s=SETTLE_MAX_S)
+    for name in ("second member", "newcomer"):
+        arrived = time.monotonic()
+        nodes.append(node(run, name.replace(" ", "-"), **clocks(name)))
+        joined = wait_for_agreement(nodes, len(nodes), timeout_s=SETTLE_MAX_S)
+        assert joined.round == plan.round + 1
+        assert joined.members[0].node_id == "m0"  # the first member stays first
+        assert nodes[-1].admitted_at[0] - arrived < SETTLE_MAX_S
+        plan = joined
+
+
+@pytest.mark.parametrize("offset", [60.0, -60.0])
+def test_settle_counts_quiet_from_when_each_arrival_was_seen(node, offset):
+    """A joiner whose clock is behind must still restart the quiet period (before the
+    fix the round closed without the next arrival), and one ahead must not stretch
+    it to --settle-max (60 s here, against a settle of 3 s)."""
+    run = f"settle{offset:+.0f}"
+    timing = {"settle_s": 3.0, "settle_max_s": 2 * SETTLE_MAX_S}
+    nodes = [node(run, "a", **timing)]
+    time.sleep(2.0)  # inside a's settle: b's arrival restarts the quiet period
+    nodes.append(node(run, "b", **timing, **skewed(offset)))
+    time.sleep(1.8)  # past a's settle, inside b's: c makes round 0 only if b counted
+    nodes.append(node(run, "c", **timing))
+    plan = wait_for_agreement(nodes, 3, timeout_s=SETTLE_MAX_S)
+    assert plan.round == 0

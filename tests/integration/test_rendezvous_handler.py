@@ -16,14 +16,24 @@ SETTLE_S = 1.5
 
 
 class Node:
-    """One agent's rendezvous loop, without workers: join, then watch for changes."""
+    """One agent's rendezvous loop, without workers: join, then watch for changes.
 
-    def __init__(self, endpoint: str, run_id: str, node_id: str, max_nodes: int):
+    `clock`/`wall_clock` are the agent's own clocks (a test skews one agent's);
+    `overrides` are RendezvousConfig fields. `admitted_at` holds, per plan, when it
+    arrived on the test's clock.
+    """
+
+    def __init__(self, endpoint: str, run_id: str, node_id: str, max_nodes: int,
+                 clock=time.monotonic, wall_clock=time.time, **overrides):
         self.client = EtcdClient(EtcdConfig((endpoint,), timeout_s=5.0, retry_deadline_s=10.0))
-        config = RendezvousConfig(run_id, node_id, min_nodes=1, max_nodes=max_nodes,
-                                  lease_ttl_s=5, settle_s=SETTLE_S, join_timeout_s=60)
-        self.rdzv = EtcdRendezvous(self.client, config, JobSpec(1, max_nodes, "test"), 0)
+        config = RendezvousConfig(run_id, node_id, **{
+            "min_nodes": 1, "max_nodes": max_nodes, "lease_ttl_s": 5, "settle_s": SETTLE_S,
+            "join_timeout_s": 60, **overrides})
+        self.rdzv = EtcdRendezvous(self.client, config,
+                                   JobSpec(config.min_nodes, max_nodes, "test"), 0,
+                                   clock=clock, wall_clock=wall_clock)
         self.plans: list = []
+        self.admitted_at: list[float] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -35,19 +45,22 @@ class Node:
     def _run(self) -> None:
         try:
             self.rdzv.register()
-            plan = self.rdzv.next_plan(None, "start")
-            self.plans.append(plan)
+            plan = self._admitted(self.rdzv.next_plan(None, "start"))
             while not self._stop.is_set():
                 generation = self.rdzv.mirror.generation
                 reason = self.rdzv.change_reason(plan)
                 if reason:
-                    plan = self.rdzv.next_plan(plan, reason)
-                    self.plans.append(plan)
+                    plan = self._admitted(self.rdzv.next_plan(plan, reason))
                 else:
                     self.rdzv.mirror.wait(0.1, generation)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             if not self._stop.is_set():
                 self.error = exc
+
+    def _admitted(self, plan):
+        self.admitted_at.append(time.monotonic())
+        self.plans.append(plan)
+        return plan
 
     def stop(self) -> None:
         if self._stop.is_set():
@@ -65,8 +78,8 @@ def node(etcd):
     """Start a Node in run `run`; every node started is stopped after the test."""
     started: list[Node] = []
 
-    def start(run: str, node_id: str, max_nodes: int) -> Node:
-        started.append(Node(etcd.endpoint, run, node_id, max_nodes).start())
+    def start(run: str, node_id: str, max_nodes: int, **options) -> Node:
+        started.append(Node(etcd.endpoint, run, node_id, max_nodes, **options).start())
         return started[-1]
 
     yield start
@@ -140,3 +153,25 @@ def test_a_copy_that_missed_a_node_is_read_again_not_taken_for_a_loss(node):
     assert observer.mirror.get(other_key) is not None
     assert observer.current_round().state.number == plan.round  # no round was opened
     assert all(n.plans[-1].round == plan.round for n in nodes)
+
+
+def test_the_first_member_opens_at_once_for_a_lone_newcomer(node):
+    """A newcomer cannot tell how old the node keys it found are, so its own rule
+    waits --settle; the plan's first member saw every arrival and opens at once."""
+    members = [node("lone", f"m{i}", 4, settle_s=0.5) for i in range(2)]
+    before = wait_for_agreement(members, 2)
+    arrived = time.monotonic()
+    newcomer = node("lone", "new", 4, settle_s=30.0, settle_max_s=60.0)
+    plan = wait_for_agreement(members + [newcomer], 3)
+    assert plan.round == before.round + 1 and plan.cause == "newcomer"
+    assert newcomer.admitted_at[0] - arrived < 30.0  # not the newcomer's own 30 s wait
+
+
+def test_a_newcomer_opens_the_round_itself_when_the_first_member_does_not(node):
+    members = [node("backup", f"m{i}", 4, settle_s=0.5) for i in range(2)]
+    before = wait_for_agreement(members, 2)
+    first = next(n for n in members if n.rdzv.node_id == before.members[0].node_id)
+    first.rdzv.newcomers.members_wait = lambda plan: None  # as if it were hung
+    newcomer = node("backup", "new", 4, settle_s=0.5)
+    plan = wait_for_agreement(members + [newcomer], 3)
+    assert plan.round == before.round + 1 and plan.cause == "newcomer"

@@ -342,3 +342,31 @@ def test_a_newcomer_alone_opens_at_once_a_burst_waits_for_quiet():
     # a steady stream of arrivals: bounded by --settle-max after our own registration
     assert p.newcomer_wait(128.0, 99.0, [127.9], 2.0, 30.0) == pytest.approx(1.0)
     assert p.newcomer_wait(130.0, 99.0, [129.9], 2.0, 30.0) == 0.0
+
+
+# ---- members_open_wait: the plan's first member opens a round for newcomers -------
+def test_a_member_opens_at_once_for_a_lone_newcomer_and_waits_out_a_burst():
+    old = {"m0": 10.0, "m1": 12.0}
+    assert p.members_open_wait(100.0, old, [], 2.0, 30.0) is None  # nobody waits
+    assert p.members_open_wait(100.0, {**old, "n": 99.5}, ["n"], 2.0, 30.0) == 0.0
+    burst = {**old, "n1": 99.0, "n2": 99.5}
+    # n2's own rule comes due first: quiet for --settle since the arrival before it
+    assert p.members_open_wait(100.0, burst, ["n1", "n2"], 2.0, 30.0) == pytest.approx(1.0)
+    # arrivals keep coming: the earliest waiting node's --settle-max still bounds it
+    stream = {**old, "n1": 99.0, "n2": 127.5, "n3": 127.9}
+    assert p.members_open_wait(128.0, stream, ["n1", "n2", "n3"], 2.0, 30.0) == \
+        pytest.approx(1.0)
+
+
+@PROPS
+@given(st.dictionaries(NODE_IDS, st.floats(0, 100), min_size=1, max_size=8), st.data(),
+       st.floats(0, 120), st.floats(0.1, 10), st.floats(0, 60))
+def test_members_open_wait_is_the_soonest_newcomer_rule(registered, data, now, settle, extra):
+    waiting = data.draw(st.lists(st.sampled_from(sorted(registered)), min_size=1, unique=True))
+    settle_max = settle + extra
+    wait = p.members_open_wait(now, registered, waiting, settle, settle_max)
+    each = [p.newcomer_wait(now, registered[node],
+                            [at for other, at in registered.items() if other != node],
+                            settle, settle_max) for node in waiting]
+    assert wait == pytest.approx(min(each))
+    assert 0.0 <= wait <= max(0.0, min(registered[n] for n in waiting) + settle_max - now) + 1e-9

@@ -1,0 +1,93 @@
+"""Admitting newcomers: who waits outside the plan, and when a round opens for them.
+
+Every time here is this agent's own monotonic clock: when its copy of etcd first
+saw a node key (PrefixMirror.first_seen). Timestamps written by other machines
+are never compared with it (protocol.py says why).
+
+Two agents open the round for a newcomer. The plan's first member has watched
+the job for a while, so it saw every newcomer register and can tell a lone
+arrival (open at once) from a burst (wait for quiet). The newcomer itself is the
+backup: it cannot know how old the keys it found when it started are, so it
+counts them as just seen and waits up to the settle time. Opening is a
+compare-and-swap on the round key, so when both try, one round opens. Only one
+member tries, so a thousand members do not send a thousand transactions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Callable
+
+from elastic_runner.config import RendezvousConfig
+from elastic_runner.etcd.mirror import PrefixMirror
+from elastic_runner.rendezvous import protocol as p
+
+
+class Newcomers:
+    def __init__(self, mirror: PrefixMirror, config: RendezvousConfig,
+                 clock: Callable[[], float]):
+        self._mirror = mirror
+        self._config = config
+        self._clock = clock
+        self._nodes = p.nodes_prefix(config.prefix)
+        # ((round, live nodes, departures), when to look again): the first member
+        # is asked every monitor tick, and a scan of every node key each time
+        # would cost O(N) per tick where nothing changed.
+        self._checked: tuple[tuple[int, int, int], float] | None = None
+
+    def registered(self) -> dict[str, float]:
+        """Live nodes and when this agent first saw each one's node key."""
+        return {p.node_id_from_key(key): seen
+                for key, seen in self._mirror.first_seen_in(self._nodes).items()}
+
+    def has_room(self, plan: p.Plan, nproc: int) -> bool:
+        """Could a node of `nproc` workers join `plan` within --max-nodes/--max-workers?"""
+        room_for_workers = not self._config.max_workers or \
+            plan.world_size + nproc <= self._config.max_workers
+        return len(plan.members) < self._config.max_nodes and room_for_workers
+
+    def own_wait(self) -> float:
+        """Seconds this node, outside a closed plan with room, waits before opening a round."""
+        now = self._clock()
+        registered = self.registered()
+        own = registered.pop(self._config.node_id, now)
+        return p.newcomer_wait(now, own, list(registered.values()), self._config.settle_s,
+                               self._config.settle_max_s)
+
+    def members_wait(self, plan: p.Plan) -> float | None:
+        """For the plan's first member: seconds before it opens a round for newcomers.
+
+        None when this node is not that member or no live node outside the plan
+        would fit into it (a standby node of a full run waits for a departure).
+        """
+        if not plan.members or plan.members[0].node_id != self._config.node_id:
+            return None
+        now = self._clock()
+        census = (plan.round, *self._mirror.census(self._nodes))
+        if self._checked is not None and self._checked[0] == census and now < self._checked[1]:
+            return self._checked[1] - now if math.isfinite(self._checked[1]) else None
+        registered = self.registered()
+        waiting = self._waiting(plan)
+        wait = p.members_open_wait(now, registered, waiting, self._config.settle_s,
+                                   self._config.settle_max_s)
+        self._checked = (census, math.inf if wait is None else now + wait)
+        return wait
+
+    def _waiting(self, plan: p.Plan) -> list[str]:
+        """Live nodes outside `plan` that would fit into it."""
+        in_plan = set(plan.node_ids)
+        waiting = []
+        for kv in self._mirror.children(self._nodes):
+            node = p.node_id_from_key(kv.key)
+            if node not in in_plan and self.has_room(plan, _nproc(kv.value)):
+                waiting.append(node)
+        return waiting
+
+
+def _nproc(raw: bytes) -> int:
+    """A node record's worker count (1 for a record that does not say)."""
+    try:
+        return int(json.loads(raw).get("nproc", 1))
+    except (ValueError, TypeError, AttributeError):
+        return 1
