@@ -23,9 +23,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_runner import contract
+from elastic_runner import contract, drain
+from elastic_runner.cloud_notice import CloudNoticeWatcher
 from elastic_runner.config import AgentConfig, EtcdConfig
-from elastic_runner.contract import EXIT_FOR_RESIZE
+from elastic_runner.contract import EXIT_FOR_RESIZE, read_progress
 from elastic_runner.errors import (
     EtcdUnavailable, RendezvousError, ShutdownRequested, WorkerFailure,
 )
@@ -75,6 +76,9 @@ class Agent:
         self._base_env = dict(base_env)
         self._job = job_env(config, etcd, self._scratch,
                             self.events.path if self.events.path is not None else None)
+        self._cloud_watcher = (CloudNoticeWatcher(config.cloud_notice,
+                                                  on_notice=self.rendezvous.mirror.wake)
+                               if config.cloud_notice is not None else None)
         self._signal: int | None = None
         self._signal_seen = threading.Event()
         # How long workers keep training while etcd does not answer.
@@ -102,9 +106,15 @@ class Agent:
                  self._rdzv_config.node_id, self._rdzv_config.run_id,
                  self._rdzv_config.min_nodes, self._rdzv_config.max_nodes,
                  self._config.workers.nproc)
-        self.rendezvous.register()
+        try:
+            self.rendezvous.register()
+        except BaseException:  # a duplicate node id, another job's spec: leave no scratch
+            self.close()
+            raise
         self.events.emit("joined", addr=self._rdzv_config.node_addr,
                          nproc=self._config.workers.nproc)
+        if self._cloud_watcher is not None:
+            self._cloud_watcher.start()
         try:
             return self._rounds()
         except (WorkerFailure, RendezvousError) as exc:
@@ -114,6 +124,8 @@ class Agent:
             log.info("stopped by %s during rendezvous", self._signal_name())
             return self._shutdown_code(workers_ok=True)
         finally:
+            if self._cloud_watcher is not None:
+                self._cloud_watcher.stop()
             self.rendezvous.leave()
             self.close()
 
@@ -166,7 +178,7 @@ class Agent:
         self.events.emit(kind, round=plan.round, reason=cause)
         log.info("membership changed: %s; stopping workers and re-forming", cause)
         if "newcomer" in cause:
-            self._drain(group)
+            self._drain(group, "a node joins")
         group.stop(self._config.workers.stop_grace_s)
         return cause
 
@@ -281,10 +293,12 @@ class Agent:
         """True once this node is told it will be reclaimed (and it has said so)."""
         by_signal = self._signal == signal.SIGTERM and self._config.notice_deadline_s > 0
         by_file = self._config.notice_file is not None and self._config.notice_file.exists()
+        by_cloud = self._cloud_watcher is not None and self._cloud_watcher.notice.is_set()
         by_etcd = self._rdzv_config.node_id in self.rendezvous.notices(plan)
-        if by_signal or by_file or by_etcd:
+        if by_signal or by_file or by_cloud or by_etcd:
             self.rendezvous.give_notice(plan.round)
-            source = "SIGTERM" if by_signal else "file" if by_file else "elastic-run notice"
+            source = ("SIGTERM" if by_signal else "file" if by_file
+                      else self._cloud_watcher.source if by_cloud else "elastic-run notice")
             self.events.emit("notice", round=plan.round, source=source)
             return True
         return False
@@ -296,38 +310,53 @@ class Agent:
                      ", ".join(leaving))
             self._notice_path.touch()
 
-    def _workers_take_notices(self) -> bool:
-        return self._notice_path.with_suffix(".ready").exists()
-
-    def _drain(self, group: WorkerGroup) -> bool:
-        """Ask workers to checkpoint the step they are on and exit; True if they did.
+    def _drain(self, group: WorkerGroup, why: str) -> str:
+        """Ask workers to checkpoint the step they are on and exit; return how it ended.
 
         Used when nothing is lost by waiting a step: a newcomer (scale-up) or a
-        member that announced its departure. A crash gets no such courtesy.
+        member that announced its departure. A crash gets no such courtesy. The
+        wait follows the workers' own progress (drain.py), never a blind deadline.
         """
-        if not self._workers_take_notices():
-            return False
-        self._notice_path.touch()
-        if group.wait(self._config.notice_deadline_s):
-            return True
-        log.warning("workers did not checkpoint within --notice-deadline %.0f s; stopping them",
-                    self._config.notice_deadline_s)
-        return False
+        deadline = self._config.notice_deadline_s
+        started = time.monotonic()
+        state = drain.view(read_progress(self.progress_dir))
+        ended = drain.decide(state, 0.0, deadline)
+        if ended is None:
+            self._notice_path.touch()
+            log.info("%s: workers stop at their next step boundary (agreement within %.1f s: "
+                     "%s; then up to --notice-deadline %.0f s for the checkpoint)", why,
+                     drain.agreement_wait(state, deadline), _interval_text(state), deadline)
+        while ended is None:
+            if group.wait(0.05):
+                ended = drain.BY_PROGRESS
+            else:
+                state = drain.view(read_progress(self.progress_dir))
+                ended = drain.decide(state, time.monotonic() - started, deadline)
+        waited = time.monotonic() - started
+        message = {drain.BY_PROGRESS: "workers stopped at a step boundary",
+                   drain.NO_BOUNDARY: "workers have no step boundary (no er.ElasticSampler or "
+                                      "Checkpointer.due()); stopping them now",
+                   drain.BY_DEADLINE: "workers did not reach a step boundary in time; "
+                                      "stopping them"}[ended]
+        log.info("drain ended after %.2f s: %s", waited, message)
+        self.events.emit("drain", reason=why, ended=ended, waited_s=round(waited, 3))
+        return ended
 
     def _depart(self, group: WorkerGroup, plan: Plan) -> int:
         """Let rank 0 checkpoint the last step, then leave so the rest re-form.
 
-        Workers that never built an er.Checkpointer cannot act on a notice (no
-        `.ready` marker): they are stopped at once, as on a plain SIGTERM.
+        Workers without a step boundary cannot act on a notice: they are stopped at
+        once. Either way the node left as it was asked to: exit 0, unless a worker
+        failed on its own (not by our stop).
         """
-        if not self._workers_take_notices():
-            return self._graceful_exit(group)
-        log.info("spot notice: workers get up to %.0f s to checkpoint, then this node leaves",
-                 self._config.notice_deadline_s)
-        self._drain(group)
+        at_once = self._drain(group, "spot notice") == drain.NO_BOUNDARY
+        if at_once:
+            self.rendezvous.leave()  # peers re-form now, not after our workers are gone
         group.stop(self._config.workers.stop_grace_s)
-        self.rendezvous.leave()
-        ok = all(e is not None and e.exit_code in (0, EXIT_FOR_RESIZE) for e in group.poll())
+        if not at_once:
+            self.rendezvous.leave()
+        stopped = (0, EXIT_FOR_RESIZE, -signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM)
+        ok = all(e is not None and e.exit_code in stopped for e in group.poll())
         return 0 if ok else 128 + signal.SIGTERM
 
     # ---- leaving ----------------------------------------------------------------
@@ -349,6 +378,12 @@ class Agent:
         return signal.Signals(self._signal).name if self._signal else "signal"
 
 
+def _interval_text(state: drain.DrainView) -> str:
+    if state.step_interval_s is None:
+        return "no step time measured yet"
+    return f"{drain.INTERVALS:g} x their median step of {state.step_interval_s:.3f} s"
+
+
 def job_env(config: AgentConfig, etcd: EtcdConfig, scratch: Path,
             events_path: Path | None) -> contract.WorkerEnv:
     """What every worker of this node shares; the plan fills in ranks per round."""
@@ -363,6 +398,3 @@ def job_env(config: AgentConfig, etcd: EtcdConfig, scratch: Path,
         progress_dir=str(scratch / contract.PROGRESS_DIR),
         events_path=str(events_path) if events_path is not None else "")
 
-
-def default_node_id() -> str:
-    return f"{os.uname().nodename}-{os.getpid()}"

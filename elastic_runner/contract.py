@@ -12,6 +12,7 @@ The etcd key layout is not part of it: it lives in `rendezvous/protocol.py`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Mapping
@@ -38,6 +39,18 @@ def progress_file(progress_dir: Path, rank: int) -> Path:
 
 def error_file(error_dir: Path, rank: int) -> Path:
     return error_dir / f"rank{rank}.json"
+
+
+def read_progress(progress_dir: Path) -> list[dict]:
+    """Every rank's last progress record ({step, samples, time, boundary, stopping,
+    prev_step, prev_samples, prev_time}); unreadable files are skipped."""
+    records = []
+    for path in sorted(progress_dir.glob("rank*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return records
 
 
 # ---- the environment ------------------------------------------------------------------

@@ -13,6 +13,7 @@ index of an epoch is handed out exactly once.
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -167,7 +168,9 @@ class ElasticSampler:
             batch_len = self._next_batch_len()
             if batch_len == 0:
                 return
-            yield self._take(batch_len)
+            step, indices = self._take(batch_len)
+            yield step, indices
+            _step_boundary(step, len(indices))
 
     def set_epoch(self, epoch: int) -> None:
         """Move to ``epoch``; the position restarts at 0 only if it changes."""
@@ -253,6 +256,17 @@ class ElasticSampler:
                                       self._epoch, self._shuffle)
             self._perm = (self._epoch, order)
         return self._perm[1]
+
+
+def _step_boundary(step: int, samples: int) -> None:
+    """The body of `step` is done: the runtime may stop here for a resize.
+
+    Through sys.modules so that this module never imports the runtime (or torch):
+    without er.init() there is no runtime, and nothing to do.
+    """
+    runtime = sys.modules.get("elastic_runner.runtime")
+    if runtime is not None:
+        runtime.at_step_boundary(step, samples)
 
 
 def _resolve_policy(policy: BatchPolicy | str | None,

@@ -36,6 +36,8 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from elastic_runner.contract import read_progress  # noqa: F401  (metrics' readers use it)
+
 STALE_S = 10.0
 PAUSE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SAVE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -55,16 +57,22 @@ class ProgressWriter:
     _last: dict | None = None
     _written_at: float = float("-inf")
 
-    def write(self, step: int, samples: int, now: float | None = None) -> bool:
-        """Record the latest numbers if the last write is old enough; True if written."""
+    def write(self, step: int, samples: int, now: float | None = None, *,
+              boundary: bool = False, stopping: int | None = None) -> bool:
+        """Record the latest numbers if the last write is old enough; True if written.
+
+        `boundary`: this worker stops at a step boundary when asked (the agent's drain
+        waits for it, see drain.py). `stopping`: the step at which the job agreed to
+        stop; written at once, whatever the rate limit, because the agent waits on it.
+        """
         monotonic = time.monotonic()
-        if monotonic - self._written_at < self.min_interval_s:
+        if stopping is None and monotonic - self._written_at < self.min_interval_s:
             return False
         record = {"step": int(step), "samples": int(samples),
-                  "time": time.time() if now is None else now}
+                  "time": time.time() if now is None else now,
+                  "boundary": bool(boundary), "stopping": stopping}
         if self._last is not None and record["step"] >= self._last["step"]:
-            record.update({f"prev_{k}": v for k, v in self._last.items()
-                           if not k.startswith("prev_")})
+            record.update({f"prev_{k}": self._last[k] for k in ("step", "samples", "time")})
         temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             temp.write_text(json.dumps(record))
@@ -74,22 +82,15 @@ class ProgressWriter:
         self._last, self._written_at = record, monotonic
         return True
 
+    @property
+    def last(self) -> dict | None:
+        return self._last
+
 
 @dataclass(frozen=True)
 class Rates:
     steps_per_s: float
     samples_per_s: float
-
-
-def read_progress(progress_dir: Path) -> list[dict]:
-    """Every rank's last progress record; unreadable files are skipped."""
-    records = []
-    for path in sorted(progress_dir.glob("rank*.json")):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue
-    return records
 
 
 def progress_rates(records: list[dict], now: float, stale_s: float = STALE_S) -> Rates | None:

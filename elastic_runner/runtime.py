@@ -4,12 +4,15 @@
 reads the environment the agent set (torchrun's variables plus ELASTIC_RUN_*);
 everything else receives the resulting `Context`.
 
-Spot notice: when any agent of the job gets a notice, every agent creates the
-file named by ELASTIC_RUN_NOTICE_PATH (a file, not a signal: a script that never
-called init() must not be killed by an unexpected SIGUSR1). The flag is agreed across ranks by a one-integer all-reduce in
-`Checkpointer.due()`, so every rank stops at the same step; rank 0 writes the
-checkpoint of that step and every worker exits with EXIT_FOR_RESIZE, which the
-agents read as "membership is changing", not as a failure. Zero steps are lost.
+Resizes: when a node joins or gets a spot notice, every agent creates the notice
+file of its workers (a file, not a signal: a script that never called init() must
+not be killed by an unexpected SIGUSR1). The runtime owns the step boundary
+(step_boundary.py): ElasticSampler reports the end of every step, every rank agrees
+there whether to stop, rank 0 saves the state registered with its Checkpointers
+for that step, and every worker exits with EXIT_FOR_RESIZE, which the agents read
+as "membership is changing", not as a failure. Zero steps are lost when the state
+is registered: objects (not their state_dict()) given to save()/restore(), or
+`register()`. Scripts without a sampler get the same through `Checkpointer.due()`.
 
 Leaving: every way a script can end waits for every pending save of every
 Checkpointer made under the context (they are tied to it, like the process
@@ -39,10 +42,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from elastic_runner import checkpoint as _checkpoint
+from elastic_runner.checkpoint_etcd import EtcdLatestStore
+from elastic_runner.contract import CHECKPOINT_RECORD, EXIT_FOR_RESIZE, WorkerEnv
+from elastic_runner.step_boundary import StepBoundary
 
 log = logging.getLogger("elastic_runner.runtime")
 
-EXIT_FOR_RESIZE = 75  # EX_TEMPFAIL: stopped on purpose for a resize
+__all__ = ["Checkpointer", "Context", "EXIT_FOR_RESIZE", "EtcdLatestStore", "current",
+           "finish", "init", "report"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,11 @@ class Context:
     progress_dir: str = ""
     # The Checkpointers made under this context; finish() waits for and closes them.
     checkpointers: list = field(default_factory=list, init=False, compare=False, repr=False)
+    boundary: StepBoundary = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "boundary", StepBoundary(
+            self.rank, self.world_size, self.notice_path, self.progress_dir))
 
     def notice_given(self) -> bool:
         return bool(self.notice_path) and os.path.exists(self.notice_path)
@@ -87,30 +99,22 @@ _active: list[Context] = []  # the process's one context, like torch's default g
 
 
 def context_from_env(environ: Mapping[str, str], backend: str, device: str) -> Context:
-    endpoints = tuple(e for e in environ.get("ELASTIC_RUN_ETCD_ENDPOINTS", "").split(",") if e)
+    """The agent's WorkerEnv (contract.py) as this process's Context."""
+    job = WorkerEnv.from_env(environ)
     return Context(
-        rank=int(environ.get("RANK", 0)), local_rank=int(environ.get("LOCAL_RANK", 0)),
-        world_size=int(environ.get("WORLD_SIZE", 1)),
-        local_world_size=int(environ.get("LOCAL_WORLD_SIZE", 1)),
-        restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        round=int(environ.get("ELASTIC_RUN_ROUND", 0)),
-        run_id=environ.get("TORCHELASTIC_RUN_ID", "local"), backend=backend, device=device,
-        etcd_endpoints=endpoints, etcd_prefix=environ.get("ELASTIC_RUN_ETCD_PREFIX", ""),
-        etcd_options=_etcd_options(environ),
-        notice_path=environ.get("ELASTIC_RUN_NOTICE_PATH", ""),
-        events_path=environ.get("ELASTIC_RUN_EVENTS_PATH", ""),
-        progress_dir=environ.get("ELASTIC_RUN_PROGRESS_DIR", ""))
+        rank=job.rank, local_rank=job.local_rank, world_size=job.world_size,
+        local_world_size=job.local_world_size, restart_count=job.restart_count,
+        round=job.round, run_id=job.run_id, backend=backend, device=device,
+        etcd_endpoints=job.etcd_endpoints, etcd_prefix=job.etcd_prefix,
+        etcd_options=_etcd_options(job), notice_path=job.notice_path,
+        events_path=job.events_path, progress_dir=job.progress_dir)
 
 
-def _etcd_options(environ: Mapping[str, str]) -> dict[str, str]:
+def _etcd_options(job: WorkerEnv) -> dict[str, str]:
     """TLS files and user as given; the password from the agent's 0600 file. An
     unreadable file leaves the password out: etcd then says what is wrong."""
-    options = {k: environ[v] for k, v in (("cacert", "ELASTIC_RUN_ETCD_CACERT"),
-                                          ("cert", "ELASTIC_RUN_ETCD_CERT"),
-                                          ("key", "ELASTIC_RUN_ETCD_KEY"),
-                                          ("user", "ELASTIC_RUN_ETCD_USER"))
-               if environ.get(v)}
-    password_file = environ.get("ELASTIC_RUN_ETCD_PASSWORD_FILE")
+    options = job.etcd_options
+    password_file = job.etcd_password_file
     if password_file:
         try:
             options["password"] = Path(password_file).read_text().rstrip("\r\n")
@@ -186,6 +190,8 @@ def finish() -> None:
 
     context = current()
     failure = _close_checkpointers(context) if context is not None else None
+    if context is not None:
+        context.boundary.close()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _active.clear()
@@ -210,57 +216,43 @@ def current() -> Context | None:
     return _active[0] if _active else None
 
 
-class EtcdLatestStore:
-    """The newest verified checkpoint recorded in etcd, fenced by the round.
+def at_step_boundary(step: int, samples: int) -> None:
+    """ElasticSampler calls this after the body of every step; see step_boundary.py.
 
-    publish() succeeds only while the next round has no plan yet: a node whose
-    round is over cannot overwrite the record of the job that re-formed without
-    it, yet workers draining for a resize (next round open, not closed) can
-    still record the checkpoint the next round resumes from. retract() is fenced
-    the same way.
+    A no-op outside elastic-run. When the job agreed to stop here, rank 0 saves the
+    registered state of this step, and the worker leaves with EXIT_FOR_RESIZE.
     """
+    context = current()
+    if context is None or not context.boundary.enabled:
+        return
+    if context.boundary.reached(step, samples):
+        stop_for_resize(context, step)
 
-    def __init__(self, context: Context):
-        from elastic_runner.config import EtcdConfig
-        from elastic_runner.etcd.client import EtcdClient
 
-        self._client = EtcdClient(EtcdConfig(context.etcd_endpoints, 5.0, 10.0,
-                                             **context.etcd_options))
-        self._key = f"{context.etcd_prefix}checkpoint/latest"
-        self._next_plan_key = f"{context.etcd_prefix}rounds/{context.round + 1}/plan"
+def stop_for_resize(context: Context, step: int) -> None:
+    """Save the agreed step (rank 0), leave the group, exit for the agents to re-form.
 
-    def read(self) -> dict | None:
-        kv = self._client.get(self._key)
-        return json.loads(kv.value) if kv else None
-
-    def publish(self, record: dict) -> bool:
-        from elastic_runner.etcd.client import Put, key_missing, mod_revision_is
-
-        current = self._client.get(self._key)
-        if current is not None and json.loads(current.value).get("step", -1) > record["step"]:
-            return False
-        guard = (mod_revision_is(self._key, current.mod_revision) if current
-                 else key_missing(self._key))
-        if self._client.txn([key_missing(self._next_plan_key), guard],
-                            [Put(self._key, json.dumps(record).encode())]).succeeded:
-            return True
-        return self.read() == record  # a retried transaction that had already landed
-
-    def retract(self, bad: dict, replacement: dict) -> bool:
-        """Swap the record only while it is still exactly `bad`: racing readers agree."""
-        from elastic_runner.etcd.client import Put, key_missing, mod_revision_is
-
-        current = self._client.get(self._key)
-        if current is None or json.loads(current.value) != bad:
-            return False
-        return self._client.txn(
-            [key_missing(self._next_plan_key), mod_revision_is(self._key, current.mod_revision)],
-            [Put(self._key, json.dumps(replacement).encode())]).succeeded
+    A due()-driven script that saves finished state dicts has registered nothing the
+    runtime could save, but it will save at its next due(): that returns True, and
+    its save() ends the worker. Every rank decides this alike (the same script).
+    """
+    checkpointers = list(context.checkpointers)
+    if checkpointers and all(c.defers_to_due() for c in checkpointers):
+        for checkpointer in checkpointers:
+            checkpointer.stop_at_next_save()
+        return
+    saved = [c.save_for_resize(step) for c in checkpointers]
+    what = ("checkpoint of step %d written" % step if any(saved)
+            else "no state registered to save, resuming from the last checkpoint")
+    if context.rank == 0:
+        log.warning("resize: every rank stopped after step %d (%s)", step, what)
+    finish()
+    raise SystemExit(EXIT_FOR_RESIZE)
 
 
 def _write_checkpoint_progress(folder: str, step: int, url: str, duration_s: float) -> None:
     """The agent's metrics read this for checkpoint age and save time (rank 0's node)."""
-    path = os.path.join(folder, "checkpoint.json")
+    path = os.path.join(folder, CHECKPOINT_RECORD)
     temporary = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # writer threads
     try:
         with open(temporary, "w") as handle:
@@ -272,17 +264,28 @@ def _write_checkpoint_progress(folder: str, step: int, url: str, duration_s: flo
 
 
 class Checkpointer(_checkpoint.Checkpointer):
-    """A Checkpointer that knows the job: etcd record, spot notices, resize exits."""
+    """A Checkpointer that knows the job: etcd record, resizes, registered state.
+
+    State for a resize: the runtime saves, at the step every rank agreed to stop,
+    whatever was registered: the objects passed to `save(step, objects)` or
+    `restore(objects)` (anything with state_dict()), or `register(...)`. A script that
+    only ever passes finished state dicts gives the runtime nothing current to save;
+    it resumes from its last checkpoint and says so once.
+    """
 
     def __init__(self, url_or_path, keep: int | None = 3, every: int | None = None,
                  async_save: bool = False, rank: int | None = None, latest_store=None, **kwargs):
         context = current()
         if latest_store is None and context is not None and context.etcd_endpoints:
-            latest_store = EtcdLatestStore(context)
+            latest_store = EtcdLatestStore(context.etcd_endpoints, context.etcd_prefix,
+                                           context.round, context.etcd_options)
         super().__init__(url_or_path, keep=keep, every=every, async_save=async_save, rank=rank,
                          latest_store=latest_store, **kwargs)
         self._context = context
         self._stopping = False
+        self._registered: Any = None
+        self._last_saved: int | None = None
+        self._asks_due = False
         if context is not None:
             context.checkpointers.append(self)
         self._events = None
@@ -290,15 +293,77 @@ class Checkpointer(_checkpoint.Checkpointer):
             from elastic_runner.events import EventLog
             self._events = EventLog(f"rank{context.rank}", context.run_id,
                                     Path(context.events_path))
-        if context is not None and context.notice_path:
-            # Tells the agent these workers act on a notice (checkpoint, then exit).
-            open(context.notice_path + ".ready", "a").close()
+
+    def register(self, state: Any) -> None:
+        """What to save when the runtime stops for a resize: a mapping of name ->
+        object with state_dict() (or plain value), or a function returning the state."""
+        self._registered = state
 
     def due(self, step: int) -> bool:
-        if self._notice_agreed():
-            self._stopping = True
-            self.request_save()
+        """True when `every` says so, or (scripts without ElasticSampler) when the job
+        agreed to stop at this step; save() then writes it and exits for the resize."""
+        self._asks_due = True
+        boundary = self._context.boundary if self._context is not None else None
+        if boundary is not None and boundary.enabled and not boundary.active:
+            boundary.due_driven = True
+            if boundary.agree_now():
+                self._stopping = True
+                self.request_save()
+            boundary.write(step, None, stopping=step if self._stopping else None)
         return super().due(step)
+
+    def save(self, step: int, state_dict: Any) -> str | None:
+        """Write checkpoint `step`. Given objects (modules, optimizers, the sampler),
+        their state_dict() is saved and they are registered for resizes."""
+        if _holds_objects(state_dict):
+            self._registered = state_dict
+        where = super().save(step, _state_of(state_dict))
+        self._last_saved = step
+        if self._stopping:
+            self.wait()
+            log.warning("spot notice: checkpoint of step %d written; stopping for the resize", step)
+            finish()
+            raise SystemExit(EXIT_FOR_RESIZE)
+        return where
+
+    def restore(self, objects: Mapping[str, Any]) -> int | None:
+        """Load the newest verified checkpoint into `objects` (each entry's
+        load_state_dict) and register them; return its step, or None if there is none."""
+        self._registered = objects
+        state = self.load_latest()
+        if state is None:
+            return None
+        for name, target in objects.items():
+            if name in state and hasattr(target, "load_state_dict"):
+                target.load_state_dict(state[name])
+        return self.loaded_step
+
+    def defers_to_due(self) -> bool:
+        """Nothing registered, but the script asks due() every step: let it save."""
+        return self._registered is None and self._asks_due
+
+    def stop_at_next_save(self) -> None:
+        self._stopping = True
+        self.request_save()
+
+    def save_for_resize(self, step: int) -> bool:
+        """At an agreed stop: rank 0 saves the registered state of `step` and waits for
+        it. True when a checkpoint of `step` exists (saved now or before)."""
+        if self.rank != 0 or self._closed:
+            return self._registered is not None
+        if self._last_saved == step:
+            self.wait()
+            return True
+        if self._registered is None:
+            log.warning("resize at step %d: nothing registered with the Checkpointer, so "
+                        "the steps since the last checkpoint are redone; pass the objects "
+                        "(not their state_dict()) to save() or restore(), or call register()",
+                        step)
+            return False
+        registered = self._registered() if callable(self._registered) else self._registered
+        self.save(step, registered)
+        self.wait()
+        return True
 
     def load_latest(self) -> Any:
         state = super().load_latest()
@@ -306,15 +371,6 @@ class Checkpointer(_checkpoint.Checkpointer):
             self._events.emit("checkpoint_loaded", step=self.loaded_step,
                               round=self._context.round)
         return state
-
-    def save(self, step: int, state_dict: Any) -> str | None:
-        where = super().save(step, state_dict)
-        if self._stopping:
-            self.wait()
-            log.warning("spot notice: checkpoint of step %d written; stopping for the resize", step)
-            finish()
-            raise SystemExit(EXIT_FOR_RESIZE)
-        return where
 
     def _saved(self, step: int, url: str, duration_s: float) -> None:
         """Verified and published: only now may the event log and metrics say so.
@@ -329,22 +385,21 @@ class Checkpointer(_checkpoint.Checkpointer):
     def _exit_line(self, error: BaseException) -> str:
         return f"elastic-run worker: error: {error}"
 
-    def _notice_agreed(self) -> bool:
-        """Every rank learns at the same step whether any rank got a notice."""
-        if self._context is None:
-            return False
-        import torch
-        import torch.distributed as dist
 
-        flag = torch.tensor([1 if self._context.notice_given() else 0], dtype=torch.int32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            if self._context.backend == "nccl":
-                flag = flag.to(self._context.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+def _holds_objects(state: Any) -> bool:
+    return isinstance(state, Mapping) and any(
+        callable(getattr(value, "state_dict", None)) for value in state.values())
 
 
-_progress: list = []  # the process's one (rank, ProgressWriter | None), made on first report()
+def _state_of(state: Any) -> Any:
+    """Objects become their state_dict(); plain values (and finished dicts) stay."""
+    if not _holds_objects(state):
+        return state
+    return {name: value.state_dict() if callable(getattr(value, "state_dict", None)) else value
+            for name, value in state.items()}
+
+
+_progress: list = []  # outside er.init(): the process's one (rank, ProgressWriter | None)
 
 
 def report(step: int, samples: int) -> None:
@@ -356,13 +411,17 @@ def report(step: int, samples: int) -> None:
     `samples` counts the samples this rank has trained so far.
     """
     context = current()
-    if not _progress or (context is not None and _progress[0][0] != context.rank):
+    if context is not None:
+        context.boundary.user_reports = True
+        context.boundary.write(step, samples)
+        return
+    if not _progress:
         from elastic_runner.metrics import ProgressWriter
 
-        directory = os.environ.get("ELASTIC_RUN_PROGRESS_DIR", "")
-        rank = context.rank if context is not None else int(os.environ.get("RANK", 0))
-        writer = ProgressWriter(Path(directory) / f"rank{rank}.json") if directory else None
-        _progress[:] = [(rank, writer)]
+        job = WorkerEnv.from_env(os.environ)
+        writer = (ProgressWriter(Path(job.progress_dir) / f"rank{job.rank}.json")
+                  if job.progress_dir else None)
+        _progress[:] = [(job.rank, writer)]
     writer = _progress[0][1]
     if writer is not None:
         writer.write(step, samples)

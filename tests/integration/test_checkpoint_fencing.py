@@ -9,15 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from elastic_runner.config import EtcdConfig
 from elastic_runner.etcd.client import EtcdClient
-from elastic_runner.runtime import Context, EtcdLatestStore
+from elastic_runner.checkpoint_etcd import EtcdLatestStore
 
 PREFIX = "/elastic-runner/v1/fence/"
 
 
-def context(endpoint: str, round_number: int) -> Context:
-    return Context(rank=0, local_rank=0, world_size=2, local_world_size=1, restart_count=0,
-                   round=round_number, run_id="fence", backend="gloo", device="cpu",
-                   etcd_endpoints=(endpoint,), etcd_prefix=PREFIX)
+def context(endpoint: str, round_number: int) -> tuple:
+    """EtcdLatestStore's arguments for a worker of `round_number`."""
+    return (endpoint,), PREFIX, round_number
 
 
 def record(step: int) -> dict:
@@ -25,7 +24,7 @@ def record(step: int) -> dict:
 
 
 def test_stale_round_cannot_publish_but_draining_round_can(etcd):
-    old, new = EtcdLatestStore(context(etcd.endpoint, 3)), EtcdLatestStore(context(etcd.endpoint, 4))
+    old, new = EtcdLatestStore(*context(etcd.endpoint, 3)), EtcdLatestStore(*context(etcd.endpoint, 4))
     assert old.publish(record(10))          # round 4 open, no plan: round 3 drains and records
     client = EtcdClient(EtcdConfig((etcd.endpoint,), 2.0, 5.0))
     client.put(f"{PREFIX}rounds/4/plan", b"{}")
@@ -45,9 +44,9 @@ def flip_a_byte(root, step: int) -> None:
 
 
 def test_retract_swaps_only_the_exact_bad_record_and_racers_agree(etcd):
-    store = EtcdLatestStore(context(etcd.endpoint, 0))
+    store = EtcdLatestStore(*context(etcd.endpoint, 0))
     assert store.publish(record(20))
-    racers = [EtcdLatestStore(context(etcd.endpoint, 0)) for _ in range(4)]
+    racers = [EtcdLatestStore(*context(etcd.endpoint, 0)) for _ in range(4)]
     with ThreadPoolExecutor(len(racers)) as pool:
         won = list(pool.map(lambda s: s.retract(record(20), record(10)), racers))
     assert won.count(True) == 1 and store.read() == record(10)
@@ -56,12 +55,12 @@ def test_retract_swaps_only_the_exact_bad_record_and_racers_agree(etcd):
 
 
 def test_a_reader_whose_round_is_over_cannot_retract(etcd):
-    old = EtcdLatestStore(context(etcd.endpoint, 3))
+    old = EtcdLatestStore(*context(etcd.endpoint, 3))
     assert old.publish(record(20))
     client = EtcdClient(EtcdConfig((etcd.endpoint,), 2.0, 5.0))
     client.put(f"{PREFIX}rounds/4/plan", b"{}")
     assert not old.retract(record(20), record(10))
-    assert EtcdLatestStore(context(etcd.endpoint, 4)).retract(record(20), record(10))
+    assert EtcdLatestStore(*context(etcd.endpoint, 4)).retract(record(20), record(10))
     client.close()
 
 
@@ -71,11 +70,11 @@ def test_rotten_newest_checkpoint_is_redone_and_published_again(etcd, tmp_path):
     from elastic_runner.checkpoint import Checkpointer
 
     first = Checkpointer(tmp_path, keep=None, latest_store=EtcdLatestStore(
-        context(etcd.endpoint, 0)))
+        *context(etcd.endpoint, 0)))
     for step in (10, 20):
         first.save(step, {"w": torch.full((4,), float(step))})
     flip_a_byte(tmp_path, 20)
-    store = EtcdLatestStore(context(etcd.endpoint, 1))   # the restarted round
+    store = EtcdLatestStore(*context(etcd.endpoint, 1))   # the restarted round
     others = Checkpointer(tmp_path, rank=1, latest_store=store)
     assert others.load_latest()["w"][0] == 10 and store.read()["step"] == 20  # rank 1 reads only
     rank0 = Checkpointer(tmp_path, keep=None, latest_store=store)

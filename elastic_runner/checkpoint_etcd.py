@@ -1,0 +1,70 @@
+"""The newest verified checkpoint recorded in etcd, fenced by the round.
+
+Why etcd: it is the job's one shared, highly available store, and its transactions
+let the record move only forward and only while the writer's round is current.
+The rules are those of every LatestStore (checkpoint_latest.refuses): a lower step
+is refused, and so is the same step with another sha256, because two writers that
+disagree about one step must not both win; the identical record is accepted again,
+so a retried save is idempotent. A rotten record is replaced through retract(), not
+by overwriting it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from elastic_runner.checkpoint_latest import refuses
+from elastic_runner.config import EtcdConfig
+from elastic_runner.rendezvous import protocol as p
+
+# A worker's etcd calls are few (one per save); give etcd the time a blip takes.
+CALL_TIMEOUT_S, RETRY_DEADLINE_S = 5.0, 10.0
+
+
+class EtcdLatestStore:
+    """publish() succeeds only while the next round has no plan yet: a node whose
+    round is over cannot overwrite the record of the job that re-formed without it,
+    yet workers draining for a resize (next round open, not closed) can still record
+    the checkpoint the next round resumes from. retract() is fenced the same way.
+    """
+
+    def __init__(self, endpoints: tuple[str, ...], prefix: str, round_number: int,
+                 options: Mapping[str, Any] | None = None):
+        from elastic_runner.etcd.client import EtcdClient
+
+        self._client = EtcdClient(EtcdConfig(endpoints, CALL_TIMEOUT_S, RETRY_DEADLINE_S,
+                                             **dict(options or {})))
+        self._key = p.checkpoint_key(prefix)
+        self._next_plan_key = p.plan_key(prefix, round_number + 1)
+
+    def read(self) -> dict | None:
+        kv = self._client.get(self._key)
+        return json.loads(kv.value) if kv else None
+
+    def publish(self, record: dict) -> bool:
+        from elastic_runner.etcd.client import Put, key_missing, mod_revision_is
+
+        current = self._client.get(self._key)
+        if current is not None and refuses(json.loads(current.value), record):
+            return False
+        guard = (mod_revision_is(self._key, current.mod_revision) if current
+                 else key_missing(self._key))
+        if self._client.txn([key_missing(self._next_plan_key), guard],
+                            [Put(self._key, json.dumps(record).encode())]).succeeded:
+            return True
+        return self.read() == record  # a retried transaction that had already landed
+
+    def retract(self, bad: dict, replacement: dict) -> bool:
+        """Swap the record only while it is still exactly `bad`: racing readers agree."""
+        from elastic_runner.etcd.client import Put, key_missing, mod_revision_is
+
+        current = self._client.get(self._key)
+        if current is None or json.loads(current.value) != bad:
+            return False
+        return self._client.txn(
+            [key_missing(self._next_plan_key), mod_revision_is(self._key, current.mod_revision)],
+            [Put(self._key, json.dumps(replacement).encode())]).succeeded
+
+    def close(self) -> None:
+        self._client.close()
