@@ -36,7 +36,13 @@ import common as c  # noqa: E402
 
 VARIANTS = {
     "er": ("elastic-run", "elastic-run", {}, ()),
-    "er+ckpt": ("elastic-run + er.Checkpointer", "elastic-run", {}, ("--ckpt", "er")),
+    "er+ckpt": ("elastic-run + er.Checkpointer, due()-driven", "elastic-run", {},
+                ("--ckpt", "er")),
+    # Issue 13's script styles: the resize must not depend on how the loop is written.
+    "er+cadence": ("elastic-run + ElasticSampler + Checkpointer on its own cadence",
+                   "elastic-run", {}, ("--ckpt", "er-cadence")),
+    "er+sampler": ("elastic-run + ElasticSampler, no checkpointer", "elastic-run", {},
+                   ("--ckpt", "er-sampler")),
     "tr": ("torchrun c10d (default)", "torchrun", {}, ()),
     "tr-noshare": ("torchrun c10d + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun",
                    {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, ()),

@@ -12,8 +12,13 @@ and one {"kind": "start", ...} line per process with the time the interpreter
 started the script, finished importing torch, and joined the process group
 (the pieces of a restart's cost).
 
---ckpt er switches to elastic_runner's er.init()/er.Checkpointer (checkpoint on
-a spot notice, etcd-fenced record): only meaningful under elastic-run.
+--ckpt picks the script style (issue 13's "script style" dimension), all only
+meaningful under elastic-run except plain:
+  plain        torch only: its own torch.save checkpoint every --every steps
+  er           er.Checkpointer driven by `if ckpt.due(step): ckpt.save(...)`
+  er-cadence   er.ElasticSampler + er.Checkpointer saving on its own cadence
+               (`step % every == 0`, the objects themselves), never calling due()
+  er-sampler   er.ElasticSampler, no checkpointer
 """
 
 import time
@@ -40,7 +45,8 @@ def main() -> None:
     ap.add_argument("--step-time", type=float, default=0.05, help="extra sleep per step (s)")
     ap.add_argument("--local-batch", type=int, default=32)
     ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--ckpt", choices=("plain", "er"), default="plain")
+    ap.add_argument("--ckpt", choices=("plain", "er", "er-cadence", "er-sampler"),
+                    default="plain")
     args = ap.parse_args()
 
     rank = int(os.environ.get("RANK", "0"))
@@ -48,7 +54,7 @@ def main() -> None:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
     rnd = os.environ.get("ELASTIC_RUN_ROUND", "")
     ckpt = None
-    if args.ckpt == "er":
+    if args.ckpt != "plain":
         import elastic_runner as er
         er.init(timeout_s=60)
     else:
@@ -61,6 +67,9 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     start_step = 0
     path = os.path.join(args.ckpt_dir, "ckpt.pt")
+    if args.ckpt in ("er-cadence", "er-sampler"):
+        run_with_sampler(args, model, opt, rank, world, restart, rnd)
+        return
     if args.ckpt == "er":
         import elastic_runner as er
         ckpt = er.Checkpointer(args.ckpt_dir, keep=2, every=args.every)
@@ -109,6 +118,45 @@ def main() -> None:
     if ckpt is not None:
         ckpt.close()
     dist.destroy_process_group()
+
+
+def run_with_sampler(args, model, opt, rank, world, restart, rnd) -> None:
+    """The sampler styles: steps come from er.ElasticSampler (the runtime's step
+    boundary), the batch is --local-batch per rank as in the other styles."""
+    import elastic_runner as er
+
+    sampler = er.ElasticSampler(SAMPLER_SAMPLES, global_batch_size=args.local_batch,
+                                policy="constant-local", shuffle=False)
+    objects = {"model": model, "optim": opt, "sampler": sampler}
+    ckpt = er.Checkpointer(args.ckpt_dir, keep=2) if args.ckpt == "er-cadence" else None
+    start_step = (ckpt.restore(objects) or 0) if ckpt is not None else 0
+    gen = torch.Generator().manual_seed(1000 + rank)
+    out = open(args.out, "a", buffering=1)
+    common = {"rank": rank, "world": world, "restart": restart, "round": rnd,
+              "pid": os.getpid(), "ppid": os.getppid()}
+    out.write(json.dumps({"kind": "start", "t_proc": T_PROC, "t_torch": T_TORCH,
+                          "t_pg": time.time(), "resume_step": start_step + 1, **common}) + "\n")
+    for step, indices in sampler:
+        x = torch.randn(len(indices), args.dim, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), torch.tanh(x.sum(1, keepdim=True))).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        out.write(json.dumps({"kind": "step", "t": time.time(), "step": step,
+                              "samples": args.local_batch * world, **common}) + "\n")
+        if args.step_time:
+            time.sleep(args.step_time)
+        if ckpt is not None and args.every and step % args.every == 0:
+            ckpt.save(step, objects)
+        if args.steps and step >= args.steps:
+            break
+    er.finish()
+
+
+# Enough for any benchmark run (~50 steps/s); unshuffled, the order costs one list.
+SAMPLER_SAMPLES = 1_000_000
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ with open(os.path.join(sys.argv[1], "rank%s.json" % os.environ["RANK"]), "w") as
     json.dump(dict(os.environ), out)
 """
 ONLY_UNDER_ELASTIC_RUN = {"PYTHONUNBUFFERED"}
+# Our own etcd-v3 plug-in, once torchrun loads its entry points, sets this in
+# torchrun's environment (etcd/client.py); not something torchrun gives workers.
+ONLY_UNDER_TORCHRUN = {"GRPC_ENABLE_FORK_SUPPORT"}
 ONLY_UNDER_ELASTIC_RUN_PREFIX = "ELASTIC_RUN_"
 VALUES_THAT_DIFFER = {
     "MASTER_ADDR",  # torchrun --standalone: localhost; elastic-run: rank 0's node address
@@ -56,7 +59,7 @@ def test_environment_matches_torchrun_key_by_key(tmp_path):
     ours = run_probe([sys.executable, "-m", "elastic_runner", "-q"], script, tmp_path / "er")
     for rank in (0, 1):
         theirs, mine = torchrun[rank], ours[rank]
-        missing = set(theirs) - set(mine)
+        missing = set(theirs) - set(mine) - ONLY_UNDER_TORCHRUN
         extra = {k for k in set(mine) - set(theirs)
                  if k not in ONLY_UNDER_ELASTIC_RUN and not k.startswith(ONLY_UNDER_ELASTIC_RUN_PREFIX)}
         differ = {k: (theirs[k], mine[k]) for k in set(theirs) & set(mine)
