@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SCHEMA_PREFIX = "/elastic-runner/v1"
-# Layouts of earlier versions: a run id found there belongs to an older runner.
-OLDER_SCHEMA_PREFIXES = ("/elastic-runner/v0",)
+from elastic_runner.rendezvous.protocol import (  # noqa: F401  (re-exported)
+    OLDER_SCHEMA_PREFIXES, SCHEMA_PREFIX, run_prefix,
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class RendezvousConfig:
 
     @property
     def prefix(self) -> str:
-        return f"{SCHEMA_PREFIX}/{self.run_id}/"
+        return run_prefix(self.run_id)
 
 
 @dataclass(frozen=True)

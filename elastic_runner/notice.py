@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from elastic_runner.config import SCHEMA_PREFIX, EtcdConfig
+from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import ConfigError, RendezvousError
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.validation import check_id
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def send_notice(client, run_id: str, node_id: str) -> int:
     """Write notice/<node_id> for the current round; return that round."""
-    prefix = f"{SCHEMA_PREFIX}/{run_id}/"
+    prefix = p.run_prefix(run_id)
     current = client.get(p.round_key(prefix))
     if current is None:
         raise RendezvousError(f"run {run_id!r} has no round in etcd: check --run-id and that it runs")

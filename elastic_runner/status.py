@@ -25,7 +25,7 @@ import json
 import queue
 import time
 
-from elastic_runner.config import SCHEMA_PREFIX, EtcdConfig
+from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import ConfigError, RendezvousError
 from elastic_runner.rendezvous import protocol as p
 
@@ -71,7 +71,7 @@ def etcd_config(args, environ: dict[str, str]) -> EtcdConfig:
 
 # ---- reading etcd ---------------------------------------------------------------
 def run_prefix(run_id: str) -> str:
-    return f"{SCHEMA_PREFIX}/{run_id}/"
+    return p.run_prefix(run_id)
 
 
 def _json(kv) -> dict | None:
@@ -83,11 +83,14 @@ def _json(kv) -> dict | None:
 
 def list_runs(client) -> list[dict]:
     """Every run under the schema prefix with its round, state and world size."""
-    entries, _ = client.get_prefix(f"{SCHEMA_PREFIX}/")
+    entries, _ = client.get_prefix(f"{p.SCHEMA_PREFIX}/")
     runs: dict[str, dict] = {}
     plans: dict[tuple[str, int], dict] = {}
     for kv in entries:
-        run_id, _, rest = kv.key[len(SCHEMA_PREFIX) + 1:].partition("/")
+        split = p.split_run_key(kv.key)
+        if split is None:
+            continue
+        run_id, rest = split
         row = runs.setdefault(run_id, {"run_id": run_id, "round": None, "state": None,
                                        "world_size": None, "nodes": 0})
         if rest == "round":
@@ -95,8 +98,8 @@ def list_runs(client) -> list[dict]:
             row["round"], row["state"] = state.get("number"), state.get("state")
         elif rest.startswith("nodes/"):
             row["nodes"] += 1
-        elif rest.startswith("rounds/") and rest.endswith("/plan"):
-            plans[(run_id, int(rest.split("/")[1]))] = _json(kv) or {}
+        elif rest.endswith("/plan") and p.round_of(rest) is not None:
+            plans[(run_id, p.round_of(rest))] = _json(kv) or {}
     for (run_id, number), plan in plans.items():
         row = runs[run_id]
         latest = row.get("_plan_round", -1)
@@ -250,7 +253,7 @@ def render_status(console, status: dict) -> None:
 def render_runs(console, runs: list[dict]) -> None:
     from rich.table import Table
 
-    table = Table(title=f"runs under {SCHEMA_PREFIX}/")
+    table = Table(title=f"runs under {p.SCHEMA_PREFIX}/")
     for column in ("run id", "round", "state", "world size", "live nodes"):
         table.add_column(column)
     for run in runs:
@@ -278,7 +281,7 @@ def show(client, console, args) -> None:
 def watch(client, console, args) -> int:
     """Render, then render again after each batch of changes; Ctrl-C ends it with 0."""
     changes: queue.Queue = queue.Queue()
-    prefix = run_prefix(args.run_id) if args.run_id else f"{SCHEMA_PREFIX}/"
+    prefix = run_prefix(args.run_id) if args.run_id else f"{p.SCHEMA_PREFIX}/"
     _, revision = client.get_prefix(prefix + "\0")  # just the store revision
     handle = client.watch_prefix(prefix, revision + 1, lambda evs: changes.put(
         [e for e in evs if "/store/" not in e.key]))

@@ -150,9 +150,8 @@ class EtcdRendezvous:
 
     def _forget_rounds_before(self, number: int) -> None:
         """Drop parsed joins of rounds that can no longer matter (memory stays O(N))."""
-        stale = [key for key in self._decoded
-                 if key.startswith(f"{self.prefix}rounds/")
-                 and int(key[len(self.prefix) + 7:].split("/", 1)[0]) < number - 1]
+        stale = [key for key in self._decoded if key.startswith(self.prefix)
+                 and (p.round_of(key[len(self.prefix):]) or number) < number - 1]
         for key in stale:
             del self._decoded[key]
         for per_round in (self._min_met_at, self._opened_at, self._first_joiner,

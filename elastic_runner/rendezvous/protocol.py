@@ -44,6 +44,34 @@ from dataclasses import asdict, dataclass
 
 OPEN, CLOSED, FINISHED, FAILED = "open", "closed", "finished", "failed"
 
+# ---- the key layout ------------------------------------------------------------------
+# One prefix per schema version; everything of a run lives under run_prefix(run_id).
+SCHEMA_PREFIX = "/elastic-runner/v1"
+# Layouts of earlier versions: a run id found there belongs to an older runner.
+OLDER_SCHEMA_PREFIXES = ("/elastic-runner/v0",)
+
+
+def run_prefix(run_id: str, schema: str = SCHEMA_PREFIX) -> str:
+    return f"{schema}/{run_id}/"
+
+
+def split_run_key(key: str) -> tuple[str, str] | None:
+    """(run id, the key below its prefix) for a key of this schema, else None."""
+    head = SCHEMA_PREFIX + "/"
+    if not key.startswith(head):
+        return None
+    run_id, sep, rest = key[len(head):].partition("/")
+    return (run_id, rest) if sep else None
+
+
+def round_of(rest: str) -> int | None:
+    """The round number of a key below a run prefix (`rounds/<n>/...`), else None."""
+    parts = rest.split("/")
+    if len(parts) < 3 or parts[0] != "rounds" or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
 # ---- ids ------------------------------------------------------------------------
 # Run and node ids become etcd key segments, file names (--log-dir) and values in
 # generated shell and YAML (deploy). One grammar for all of them: no '/', so a run's

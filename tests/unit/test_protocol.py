@@ -370,3 +370,20 @@ def test_members_open_wait_is_the_soonest_newcomer_rule(registered, data, now, s
                             settle, settle_max) for node in waiting]
     assert wait == pytest.approx(min(each))
     assert 0.0 <= wait <= max(0.0, min(registered[n] for n in waiting) + settle_max - now) + 1e-9
+
+
+def test_the_key_layout_parses_only_its_own_keys():
+    assert p.run_prefix("job7") == "/elastic-runner/v1/job7/"
+    assert p.split_run_key("/elastic-runner/v1/job7/rounds/3/plan") == ("job7", "rounds/3/plan")
+    assert p.split_run_key("/elastic-runner/v0/job7/round") is None
+    assert p.split_run_key("/elastic-runner/v1/job7") is None
+    assert p.round_of("rounds/12/join/a") == 12
+    assert p.round_of("rounds/x/plan") is None and p.round_of("nodes/a") is None
+    assert p.round_of("rounds/3") is None
+
+
+@given(st.from_regex(p.ID_GRAMMAR, fullmatch=True), st.from_regex(p.ID_GRAMMAR, fullmatch=True))
+def test_no_valid_run_id_has_its_keys_under_another_runs_prefix(a, b):
+    """Ids cannot contain '/', so one run's prefix never holds another run's keys."""
+    if a != b and p.id_problem(a) is None and p.id_problem(b) is None:
+        assert not p.node_key(p.run_prefix(a), "n").startswith(p.run_prefix(b))
