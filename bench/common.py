@@ -161,6 +161,8 @@ class Launcher:
     def __post_init__(self):
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.run_id = self.run_id or f"bench-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+        # Variant keys such as "er+ckpt" end up in run ids, which allow [A-Za-z0-9._-] only.
+        self.run_id = self.run_id.replace("+", "-")
         self.port = self.port or free_port()
         (self.workdir / "ckpt").mkdir(exist_ok=True)
 
