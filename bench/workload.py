@@ -89,19 +89,8 @@ def main() -> None:
                           "resume_step": start_step, **common}) + "\n")
     step = start_step
     while not args.steps or step <= args.steps:
-        x = torch.randn(args.local_batch, args.dim, generator=gen)
-        y = torch.tanh(x.sum(1, keepdim=True))
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        opt.step()
-        out.write(json.dumps({"kind": "step", "t": time.time(), "step": step,
-                              "samples": args.local_batch * world, **common}) + "\n")
-        if args.step_time:
-            time.sleep(args.step_time)
+        train_step(model, opt, torch.randn(args.local_batch, args.dim, generator=gen), world)
+        log_step(out, args, step, world, common)
         if ckpt is not None:
             if ckpt.due(step):
                 ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
@@ -118,6 +107,23 @@ def main() -> None:
     if ckpt is not None:
         ckpt.close()
     dist.destroy_process_group()
+
+
+def train_step(model, opt, x, world: int) -> None:
+    """One data-parallel step: mean gradient over the world, then the update."""
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), torch.tanh(x.sum(1, keepdim=True))).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    opt.step()
+
+
+def log_step(out, args, step: int, world: int, common: dict) -> None:
+    out.write(json.dumps({"kind": "step", "t": time.time(), "step": step,
+                          "samples": args.local_batch * world, **common}) + "\n")
+    if args.step_time:
+        time.sleep(args.step_time)
 
 
 def run_with_sampler(args, model, opt, rank, world, restart, rnd) -> None:
@@ -137,17 +143,8 @@ def run_with_sampler(args, model, opt, rank, world, restart, rnd) -> None:
     out.write(json.dumps({"kind": "start", "t_proc": T_PROC, "t_torch": T_TORCH,
                           "t_pg": time.time(), "resume_step": start_step + 1, **common}) + "\n")
     for step, indices in sampler:
-        x = torch.randn(len(indices), args.dim, generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), torch.tanh(x.sum(1, keepdim=True))).backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        opt.step()
-        out.write(json.dumps({"kind": "step", "t": time.time(), "step": step,
-                              "samples": args.local_batch * world, **common}) + "\n")
-        if args.step_time:
-            time.sleep(args.step_time)
+        train_step(model, opt, torch.randn(len(indices), args.dim, generator=gen), world)
+        log_step(out, args, step, world, common)
         if ckpt is not None and args.every and step % args.every == 0:
             ckpt.save(step, objects)
         if args.steps and step >= args.steps:
