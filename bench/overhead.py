@@ -8,8 +8,8 @@ alternately (A B A B ...) to spread the machine's background load over both.
 Also reported: CPU seconds the launcher's own agent process used (sampled from
 /proc while it ran; its workers excluded), and start -> first step.
 
-    /work/venv/bin/python bench/overhead.py                 # ~1 min
-    /work/venv/bin/python bench/overhead.py --steps 1000 --repeats 3
+    .venv/bin/python bench/overhead.py                 # ~1 min
+    .venv/bin/python bench/overhead.py --steps 1000 --repeats 3
 """
 
 from __future__ import annotations

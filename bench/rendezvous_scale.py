@@ -28,9 +28,9 @@ workers fail; a join is a newcomer whose presence the members notice by polling
 num_nodes_waiting() every 0.1 s (torchrun's monitor interval). Requests =
 backend get_state/set_state calls (each one reads or writes the whole state).
 
-    /work/venv/bin/python bench/rendezvous_scale.py --processes 8                # N = 8, 64, 256
-    /work/venv/bin/python bench/rendezvous_scale.py --processes 8 --big --lease-ttl 120
-    /work/venv/bin/python bench/rendezvous_scale.py --sizes 8,64 --no-torch
+    .venv/bin/python bench/rendezvous_scale.py --processes 8                # N = 8, 64, 256
+    .venv/bin/python bench/rendezvous_scale.py --processes 8 --big --lease-ttl 120
+    .venv/bin/python bench/rendezvous_scale.py --sizes 8,64 --no-torch
 """
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ Each event fires at the same point of the checkpoint interval (half-way), so los
 work is comparable. A job that dies is recorded as such and started afresh (from
 its checkpoint) for the next event.
 
-    /work/venv/bin/python bench/rescale.py              # N=3 x M=1, 2 repeats, ~10 min
-    /work/venv/bin/python bench/rescale.py --nodes 2 --repeats 1 --variants er,tr
-    /work/venv/bin/python bench/rescale.py --repeats 1 --variants er,tr-etcdv2   # needs pip install python-etcd
+    .venv/bin/python bench/rescale.py              # N=3 x M=1, 2 repeats, ~10 min
+    .venv/bin/python bench/rescale.py --nodes 2 --repeats 1 --variants er,tr
+    .venv/bin/python bench/rescale.py --repeats 1 --variants er,tr-etcdv2   # needs pip install python-etcd
 """
 
 from __future__ import annotations

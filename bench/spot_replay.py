@@ -24,9 +24,9 @@ batch, so samples/step = batch x world):
                   (spot price / on-demand price) / goodput; and $ per 1M samples at
                   this toy workload's speed (only the ratio carries over to real GPUs)
 
-    /work/venv/bin/python bench/spot_replay.py                    # ~5 min per launcher variant
-    /work/venv/bin/python bench/spot_replay.py --duration 120 --variants er+ckpt,tr-noshare
-    /work/venv/bin/python bench/spot_replay.py --trace /work/shared/traces/aws-p3.2xlarge-16node-us-west-2a-2023-08-27.json
+    .venv/bin/python bench/spot_replay.py                    # ~5 min per launcher variant
+    .venv/bin/python bench/spot_replay.py --duration 120 --variants er+ckpt,tr-noshare
+    .venv/bin/python bench/spot_replay.py --trace bench/traces/aws-p3.2xlarge-16node-us-west-2a-2023-08-27.json
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c  # noqa: E402
 from rescale import VARIANTS  # noqa: E402
 
-DEFAULT_TRACE = Path("/work/shared/traces/aws-g4dn-xlarge-us-east-1c-2020-11-20.csv")
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "aws-g4dn-xlarge-us-east-1c-2020-11-20.csv"
 ON_DEMAND = 0.526   # $/h, g4dn.xlarge us-east-1 Linux on-demand (AWS price list)
 SPOT = 0.158        # $/h, ASSUMPTION: a typical g4dn.xlarge us-east-1 spot price (AWS spot
                     # price history, 2023-2024, ~70% below on-demand); not fetched here
