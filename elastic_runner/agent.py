@@ -74,8 +74,7 @@ class Agent:
         self._etcd_password = etcd.password
         self._password_file = self._scratch / contract.PASSWORD_FILE
         self._base_env = dict(base_env)
-        self._job = job_env(config, etcd, self._scratch,
-                            self.events.path if self.events.path is not None else None)
+        self._job = job_env(config, etcd, self._scratch, self.events.path)
         self._cloud_watcher = (CloudNoticeWatcher(config.cloud_notice,
                                                   on_notice=self.rendezvous.mirror.wake)
                                if config.cloud_notice is not None else None)

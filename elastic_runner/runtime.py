@@ -77,9 +77,6 @@ class Context:
         object.__setattr__(self, "boundary", StepBoundary(
             self.rank, self.world_size, self.notice_path, self.progress_dir))
 
-    def notice_given(self) -> bool:
-        return bool(self.notice_path) and os.path.exists(self.notice_path)
-
     def __enter__(self) -> "Context":
         return self
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import threading
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from elastic_runner.checkpoint import (
     StaleWriterError,
 )
 from elastic_runner.checkpoint_latest import NO_CHECKPOINT
+from tests.helpers.gates import gate_storage_writes
 
 LOGGER = "elastic_runner.checkpoint"
 
@@ -109,13 +109,7 @@ def test_an_unexpected_async_error_is_a_checkpoint_error_naming_the_step(tmp_pat
 
 
 def test_saved_hook_runs_only_once_verified_and_published(tmp_path, monkeypatch):
-    gate, original = threading.Event(), checkpoint_storage._write_all
-
-    def gated(fileobj, data):
-        assert gate.wait(30), "the test never opened the gate"
-        original(fileobj, data)
-
-    monkeypatch.setattr(checkpoint_storage, "_write_all", gated)
+    gate = gate_storage_writes(monkeypatch)
     store = MemoryLatestStore()
     ckpt = Recording(tmp_path, async_save=True, latest_store=store)
     ckpt.save(4, payload(4))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import threading
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from elastic_runner import checkpoint_storage, runtime
 from elastic_runner.checkpoint import MemoryLatestStore
 from elastic_runner.errors import CheckpointWriteError
 from elastic_runner.events import read_jsonl
+from tests.helpers.gates import gate_storage_writes
 
 
 @pytest.fixture
@@ -90,13 +90,7 @@ def test_the_blocks_own_error_wins_and_the_lost_save_is_logged(context, tmp_path
 
 
 def test_async_checkpoint_saved_comes_from_the_completed_write(context, tmp_path, monkeypatch):
-    gate, original = threading.Event(), checkpoint_storage._write_all
-
-    def gated(fileobj, data):
-        assert gate.wait(30), "the test never opened the gate"
-        original(fileobj, data)
-
-    monkeypatch.setattr(checkpoint_storage, "_write_all", gated)
+    gate = gate_storage_writes(monkeypatch)
     store = MemoryLatestStore()
     ckpt = runtime.Checkpointer(tmp_path / "ckpt", async_save=True, latest_store=store)
     ckpt.save(10, {"w": torch.ones(2)})
