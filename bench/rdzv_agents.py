@@ -37,7 +37,7 @@ class SimAgent:
     def __init__(self, endpoint: str, run_id: str, node: str, max_nodes: int, settle: float,
                  ttl: int, client=None):
         from elastic_runner.config import RendezvousConfig
-        from elastic_runner.rendezvous.handler import EtcdRendezvous
+        from elastic_runner.rendezvous.engine import EtcdRendezvous
         from elastic_runner.rendezvous.protocol import JobSpec
         self.owns_client = client is None
         self.client = client or new_client(endpoint)

@@ -16,13 +16,15 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "init": "runtime", "finish": "runtime", "current": "runtime", "Context": "runtime",
-    "Checkpointer": "runtime", "EXIT_FOR_RESIZE": "runtime", "report": "runtime",
-    "CheckpointError": "checkpoint", "StaleWriterError": "checkpoint",
-    "MemoryLatestStore": "checkpoint",
-    "ElasticSampler": "data",
-    "BatchPolicy": "scaling", "BatchPlan": "scaling", "parse_policy": "scaling",
-    "plan_batch": "scaling",
+    "init": "worker.runtime", "finish": "worker.runtime", "current": "worker.runtime",
+    "Context": "worker.runtime", "Checkpointer": "worker.runtime",
+    "EXIT_FOR_RESIZE": "worker.runtime", "report": "worker.runtime",
+    "CheckpointError": "worker.checkpoint.checkpointer",
+    "StaleWriterError": "worker.checkpoint.checkpointer",
+    "MemoryLatestStore": "worker.checkpoint.checkpointer",
+    "ElasticSampler": "worker.sampler",
+    "BatchPolicy": "worker.scaling", "BatchPlan": "worker.scaling",
+    "parse_policy": "worker.scaling", "plan_batch": "worker.scaling",
 }
 
 __all__ = sorted(_EXPORTS)

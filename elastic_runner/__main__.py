@@ -1,5 +1,5 @@
 import sys
 
-from elastic_runner.cli import main
+from elastic_runner.cli.main import main
 
 sys.exit(main())

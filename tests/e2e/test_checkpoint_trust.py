@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.checkpoint import Checkpointer
+from elastic_runner.worker.checkpoint.checkpointer import Checkpointer
 from elastic_runner.events import read_jsonl
 
 pytestmark = pytest.mark.e2e

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner import runtime
+from elastic_runner.worker import runtime
 from elastic_runner.events import read_events
-from elastic_runner.metrics import ProgressWriter, progress_rates, read_progress, restart_cause
-from elastic_runner.report import main as report_main
-from elastic_runner.report import timeline_data
+from elastic_runner.agent.metrics import ProgressWriter, progress_rates, read_progress, restart_cause
+from elastic_runner.cli.report import main as report_main
+from elastic_runner.cli.report import timeline_data
 from tests.e2e.harness import Job
 
 # A tiny trainer: reports progress every step and checkpoints every 20 steps.

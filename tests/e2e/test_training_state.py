@@ -116,7 +116,7 @@ def test_trajectory_after_two_resizes_matches_an_uninterrupted_run(job, tmp_path
     """
     import torch
 
-    from elastic_runner.checkpoint import Checkpointer
+    from elastic_runner.worker.checkpoint.checkpointer import Checkpointer
 
     def args_for(ckpt_dir, trace):
         return ("--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--steps", "60",

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from elastic_runner import checkpoint, checkpoint_storage  # noqa: E402
+from elastic_runner.worker.checkpoint import checkpointer as checkpoint, storage as checkpoint_storage  # noqa: E402
 
 
 def main() -> None:

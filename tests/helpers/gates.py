@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from elastic_runner import checkpoint_storage
+from elastic_runner.worker.checkpoint import storage as checkpoint_storage
 
 
 def gate_storage_writes(monkeypatch) -> threading.Event:

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import elastic_runner as er  # noqa: E402
-from elastic_runner import checkpoint_storage  # noqa: E402
+from elastic_runner.worker.checkpoint import storage as checkpoint_storage  # noqa: E402
 
 
 def fill_disk_from(first_step: int) -> None:

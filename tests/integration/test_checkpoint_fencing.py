@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from elastic_runner.config import EtcdConfig
 from elastic_runner.etcd.client import EtcdClient
-from elastic_runner.checkpoint_etcd import EtcdLatestStore
+from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
 
 PREFIX = "/elastic-runner/v1/fence/"
 
@@ -67,7 +67,7 @@ def test_a_reader_whose_round_is_over_cannot_retract(etcd):
 def test_rotten_newest_checkpoint_is_redone_and_published_again(etcd, tmp_path):
     import torch
 
-    from elastic_runner.checkpoint import Checkpointer
+    from elastic_runner.worker.checkpoint.checkpointer import Checkpointer
 
     first = Checkpointer(tmp_path, keep=None, latest_store=EtcdLatestStore(
         *context(etcd.endpoint, 0)))

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from elastic_runner.cloud_notice import (
+from elastic_runner.agent.cloud_notice import (
     AwsNotice, AzureNotice, CloudNoticeWatcher, GcpNotice, MetadataError, _Http, make_checker,
 )
 from elastic_runner.config import CloudNoticeConfig
@@ -182,7 +182,7 @@ def lines():
         def emit(self, record):
             records.append(record)
 
-    logger = logging.getLogger("elastic_runner.cloud_notice")
+    logger = logging.getLogger("elastic_runner.agent.cloud_notice")
     handler = Collect(logging.DEBUG)
     old_level = logger.level
     logger.addHandler(handler)

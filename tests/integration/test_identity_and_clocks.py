@@ -20,7 +20,7 @@ from elastic_runner.errors import DuplicateNodeId, exit_code_for
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous import registration
-from elastic_runner.rendezvous.handler import EtcdRendezvous
+from elastic_runner.rendezvous.engine import EtcdRendezvous
 from tests.integration.test_rendezvous_handler import Node, wait_for_agreement
 
 TTL_S = 2

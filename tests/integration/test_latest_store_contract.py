@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_runner.checkpoint_etcd import EtcdLatestStore
-from elastic_runner.checkpoint_latest import NO_CHECKPOINT, MemoryLatestStore
+from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
+from elastic_runner.worker.checkpoint.latest import NO_CHECKPOINT, MemoryLatestStore
 
 
 def record(step: int, sha: str = "ab") -> dict:

@@ -9,7 +9,7 @@ import pytest
 
 from elastic_runner.config import EtcdConfig, RendezvousConfig
 from elastic_runner.etcd.client import EtcdClient
-from elastic_runner.rendezvous.handler import EtcdRendezvous
+from elastic_runner.rendezvous.engine import EtcdRendezvous
 from elastic_runner.rendezvous.protocol import JobSpec
 
 SETTLE_S = 1.5

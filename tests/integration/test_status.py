@@ -13,8 +13,8 @@ import pytest
 
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import RendezvousError
-from elastic_runner.launch import connect
-from elastic_runner.status import list_runs, run_status
+from elastic_runner.agent.launch import connect
+from elastic_runner.cli.status import list_runs, run_status
 from tests.e2e.harness import Job
 
 
@@ -102,7 +102,7 @@ def test_watch_rerenders_when_a_node_joins(job):
 def test_a_retracted_checkpoint_record_reads_as_none_verified(etcd):
     """After rot, the record is checkpoint_latest.NO_CHECKPOINT: status must not claim
     'step -1 at None'."""
-    from elastic_runner.checkpoint_latest import NO_CHECKPOINT
+    from elastic_runner.worker.checkpoint.latest import NO_CHECKPOINT
 
     client = connect(EtcdConfig((etcd.endpoint,), 2.0, 5.0))
     try:

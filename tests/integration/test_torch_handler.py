@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import RendezvousTimeout, RunFinished
 from elastic_runner.etcd.client import EtcdClient
-from elastic_runner.rendezvous.torch_handler import (
+from elastic_runner.rendezvous.torchrun_plugin import (
     EtcdV3RendezvousHandler, create_handler, rendezvous_config,
 )
 from elastic_runner.rendezvous.torch_store import EtcdStore

@@ -1,4 +1,4 @@
-"""Outcome tests for elastic_runner.checkpoint: what survives crashes and races."""
+"""Outcome tests for elastic_runner.worker.checkpoint.checkpointer: what survives crashes and races."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_runner import checkpoint_storage
-from elastic_runner.checkpoint import (
+from elastic_runner.worker.checkpoint import storage as checkpoint_storage
+from elastic_runner.worker.checkpoint.checkpointer import (
     CheckpointError,
     Checkpointer,
     CheckpointWriteError,
@@ -31,7 +31,7 @@ from elastic_runner.checkpoint import (
 from elastic_runner.errors import ElasticRunError
 
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "ckpt_writer.py"
-LOGGER = "elastic_runner.checkpoint"
+LOGGER = "elastic_runner.worker.checkpoint.checkpointer"
 
 
 def payload(step: int) -> dict:

@@ -9,18 +9,18 @@ import logging
 import pytest
 import torch
 
-from elastic_runner import checkpoint_storage
-from elastic_runner.checkpoint import (
+from elastic_runner.worker.checkpoint import storage as checkpoint_storage
+from elastic_runner.worker.checkpoint.checkpointer import (
     Checkpointer,
     CheckpointError,
     CheckpointWriteError,
     MemoryLatestStore,
     StaleWriterError,
 )
-from elastic_runner.checkpoint_latest import NO_CHECKPOINT
+from elastic_runner.worker.checkpoint.latest import NO_CHECKPOINT
 from tests.helpers.gates import gate_storage_writes
 
-LOGGER = "elastic_runner.checkpoint"
+LOGGER = "elastic_runner.worker.checkpoint.checkpointer"
 
 
 def payload(step: int, variant: float = 0.0) -> dict:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from elastic_runner import cli
+from elastic_runner.cli import main as cli
 from elastic_runner.errors import ConfigError
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_runner import cli
+from elastic_runner.cli import main as cli
 from elastic_runner.config import CloudNoticeConfig
 from elastic_runner.errors import ConfigError
 

@@ -8,7 +8,7 @@ import sys
 
 from elastic_runner.contract import EXIT_FOR_RESIZE, WorkerEnv, variable
 from elastic_runner.rendezvous.failures import failure_message
-from elastic_runner.workers import read_error_file, worker_env
+from elastic_runner.agent.workers import read_error_file, worker_env
 from tests.unit.test_workers import PLAN, envs
 from elastic_runner.config import WorkerConfig
 from elastic_runner.rendezvous.protocol import assign_ranks

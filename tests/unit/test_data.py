@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_runner.data import ElasticSampler, epoch_permutation
-from elastic_runner.scaling import BatchPolicy, BatchPolicyError
+from elastic_runner.worker.sampler import ElasticSampler, epoch_permutation
+from elastic_runner.worker.scaling import BatchPolicy, BatchPolicyError
 
 REPO = Path(__file__).resolve().parents[2]
 MakeSampler = Callable[[int, int], ElasticSampler]
@@ -170,7 +170,7 @@ def test_permutation_depends_only_on_seed_and_epoch():
 
 
 def test_same_permutation_in_a_fresh_process_without_torch():
-    code = ("import json, sys; from elastic_runner.data import epoch_permutation;"
+    code = ("import json, sys; from elastic_runner.worker.sampler import epoch_permutation;"
             "assert 'torch' not in sys.modules;"
             "print(json.dumps(epoch_permutation(50, 11, 2)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True,

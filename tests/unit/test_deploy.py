@@ -24,7 +24,7 @@ import pytest
 import yaml
 from hypothesis import given, strategies as st
 
-from elastic_runner import cli, deploy, deploy_quoting
+from elastic_runner.cli import deploy, deploy_quoting, main as cli
 from elastic_runner.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

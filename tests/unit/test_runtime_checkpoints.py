@@ -10,8 +10,9 @@ import logging
 import pytest
 import torch
 
-from elastic_runner import checkpoint_storage, runtime
-from elastic_runner.checkpoint import MemoryLatestStore
+from elastic_runner.worker import runtime
+from elastic_runner.worker.checkpoint import storage as checkpoint_storage
+from elastic_runner.worker.checkpoint.checkpointer import MemoryLatestStore
 from elastic_runner.errors import CheckpointWriteError
 from elastic_runner.events import read_jsonl
 from tests.helpers.gates import gate_storage_writes
@@ -81,7 +82,7 @@ def test_sys_exit_0_inside_the_block_does_not_hide_a_lost_save(context, tmp_path
 def test_the_blocks_own_error_wins_and_the_lost_save_is_logged(context, tmp_path, monkeypatch,
                                                               caplog):
     disk_full_for(monkeypatch, 7)
-    caplog.set_level(logging.ERROR, logger="elastic_runner.runtime")
+    caplog.set_level(logging.ERROR, logger="elastic_runner.worker.runtime")
     with pytest.raises(ZeroDivisionError):
         with context:
             runtime.Checkpointer(tmp_path, async_save=True).save(7, {"w": torch.ones(1)})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from elastic_runner import runtime
+from elastic_runner.worker import runtime
 
 
 def test_password_comes_from_the_file_not_the_environment(tmp_path):
@@ -21,10 +21,10 @@ def test_password_comes_from_the_file_not_the_environment(tmp_path):
 
 
 def test_an_unreadable_password_file_leaves_the_password_out(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="elastic_runner.runtime")
+    caplog.set_level(logging.WARNING, logger="elastic_runner.worker.runtime")
     missing = tmp_path / "gone"
     ctx = runtime.context_from_env({"ELASTIC_RUN_ETCD_PASSWORD_FILE": str(missing),
                                     "ELASTIC_RUN_ETCD_USER": "alice"}, "gloo", "cpu")
     assert ctx.etcd_options == {"user": "alice"}
-    (warning,) = [r for r in caplog.records if r.name == "elastic_runner.runtime"]
+    (warning,) = [r for r in caplog.records if r.name == "elastic_runner.worker.runtime"]
     assert str(missing) in warning.getMessage()

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic_runner.errors import ConfigError
-from elastic_runner.scaling import (
+from elastic_runner.worker.scaling import (
     ACCEPTED_POLICIES,
     BatchPolicy,
     BatchPolicyError,

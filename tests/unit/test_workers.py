@@ -3,7 +3,7 @@
 from elastic_runner.config import WorkerConfig
 from elastic_runner.contract import WorkerEnv
 from elastic_runner.rendezvous.protocol import Member, Plan, assign_ranks
-from elastic_runner.workers import worker_env
+from elastic_runner.agent.workers import worker_env
 
 PLAN = Plan(round=3, members=(Member("a", 0, 4, "10.0.0.1", 0), Member("b", 1, 4, "10.0.0.2", 4)),
             master_addr="10.0.0.1", master_port=29500, restart_count=2)
@@ -60,7 +60,7 @@ def test_init_warns_when_the_script_hand_typed_another_rank(monkeypatch, caplog,
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        with caplog.at_level("WARNING", logger="elastic_runner.runtime"):
+        with caplog.at_level("WARNING", logger="elastic_runner.worker.runtime"):
             ctx = er.init()
         assert (ctx.rank, ctx.world_size) == (1, 2)
         assert "initialised by hand as rank 0 of 1, but the launcher assigned rank 1 of 2" \

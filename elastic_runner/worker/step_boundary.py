@@ -30,7 +30,7 @@ from typing import Any
 
 from elastic_runner.contract import progress_file
 
-log = logging.getLogger("elastic_runner.runtime")
+log = logging.getLogger("elastic_runner.worker.runtime")
 
 
 class StepBoundary:
@@ -42,7 +42,7 @@ class StepBoundary:
         self._notice_path = Path(notice_path) if notice_path else None
         self._writer = None
         if progress_dir:
-            from elastic_runner.metrics import ProgressWriter
+            from elastic_runner.agent.metrics import ProgressWriter
 
             self._writer = ProgressWriter(progress_file(Path(progress_dir), rank))
         self.active = False  # a sampler has reached a boundary in this process

@@ -23,8 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_runner import contract, drain
-from elastic_runner.cloud_notice import CloudNoticeWatcher
+from elastic_runner import contract
+from elastic_runner.agent import drain
+from elastic_runner.agent.cloud_notice import CloudNoticeWatcher
 from elastic_runner.config import AgentConfig, EtcdConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE, read_progress
 from elastic_runner.errors import (
@@ -33,9 +34,9 @@ from elastic_runner.errors import (
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.events import EVENTS_FILE, EventLog
 from elastic_runner.rendezvous.failures import describe_exit, failure_message
-from elastic_runner.rendezvous.handler import EtcdRendezvous
+from elastic_runner.rendezvous.engine import EtcdRendezvous
 from elastic_runner.rendezvous.protocol import FINISHED, JobSpec, Plan, plan_problem
-from elastic_runner.workers import WorkerExit, WorkerGroup
+from elastic_runner.agent.workers import WorkerExit, WorkerGroup
 
 log = logging.getLogger("elastic_runner")
 
@@ -76,7 +77,7 @@ class Agent:
         self._base_env = dict(base_env)
         self._job = job_env(config, etcd, self._scratch, self.events.path)
         self._cloud_watcher = (CloudNoticeWatcher(config.cloud_notice,
-                                                  on_notice=self.rendezvous.mirror.wake)
+                                                  on_notice=self.rendezvous.wake)
                                if config.cloud_notice is not None else None)
         self._signal: int | None = None
         self._signal_seen = threading.Event()
@@ -95,8 +96,7 @@ class Agent:
         if self._signal is None:
             self._signal = signum
             self._signal_seen.set()
-            self.rendezvous.shutdown.set()
-            self.rendezvous.mirror.wake()
+            self.rendezvous.interrupt()
 
     # ---- main loop --------------------------------------------------------------
     def run(self) -> int:
@@ -239,9 +239,8 @@ class Agent:
         return group
 
     def _monitor(self, group: WorkerGroup, plan: Plan) -> Outcome:
-        mirror = self.rendezvous.mirror
         while True:
-            generation = mirror.generation
+            marker = self.rendezvous.change_marker()
             self._check_etcd_grace()
             if self._notice_received(plan):
                 return Outcome(NOTICE)
@@ -258,7 +257,7 @@ class Agent:
             if reason:
                 return Outcome(CHANGED, reason)
             self._relay_notices(plan)
-            mirror.wait(self._config.workers.monitor_interval_s, generation)
+            self.rendezvous.wait_for_change(self._config.workers.monitor_interval_s, marker)
 
     def _hung_worker(self, group: WorkerGroup) -> WorkerExit | None:
         timeout = self._config.workers.worker_timeout_s
@@ -270,7 +269,7 @@ class Agent:
         Why stop at all: without etcd nobody can see a member leave, and a
         worker failure could not be recorded; a clean stop keeps the checkpoint.
         """
-        silent = self.rendezvous.lease.seconds_since_refresh()
+        silent = self.rendezvous.seconds_since_etcd_answered()
         if silent > self._etcd_grace_s:
             raise EtcdUnavailable(f"no answer from etcd for {silent:.0f} s "
                                   f"(grace {self._etcd_grace_s:.0f} s)")

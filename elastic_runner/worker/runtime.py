@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from elastic_runner import checkpoint as _checkpoint
-from elastic_runner.checkpoint_etcd import EtcdLatestStore
+from elastic_runner.worker.checkpoint import checkpointer as _checkpoint
+from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
 from elastic_runner.contract import CHECKPOINT_RECORD, EXIT_FOR_RESIZE, WorkerEnv
-from elastic_runner.step_boundary import StepBoundary
+from elastic_runner.worker.step_boundary import StepBoundary
 
-log = logging.getLogger("elastic_runner.runtime")
+log = logging.getLogger("elastic_runner.worker.runtime")
 
 __all__ = ["Checkpointer", "Context", "EXIT_FOR_RESIZE", "EtcdLatestStore", "current",
            "finish", "init", "report"]
@@ -413,7 +413,7 @@ def report(step: int, samples: int) -> None:
         context.boundary.write(step, samples)
         return
     if not _progress:
-        from elastic_runner.metrics import ProgressWriter
+        from elastic_runner.agent.metrics import ProgressWriter
 
         job = WorkerEnv.from_env(os.environ)
         writer = (ProgressWriter(Path(job.progress_dir) / f"rank{job.rank}.json")

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_runner.cli import build_parser, default_run_id, parse_nodes, parse_nproc
-from elastic_runner.deploy_quoting import (
+from elastic_runner.cli.main import build_parser, default_run_id, parse_nodes, parse_nproc
+from elastic_runner.cli.deploy_quoting import (
     PARTITION, TIME, check_dns_label, check_grammar, check_id, check_text, dump_documents,
     kube_literal, printable, shell_join, shell_quote, to_yaml)
 from elastic_runner.errors import ConfigError

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from elastic_runner.scaling import BatchPlan, BatchPolicy, parse_policy, plan_batch
+from elastic_runner.worker.scaling import BatchPlan, BatchPolicy, parse_policy, plan_batch
 
 STATE_VERSION = 1
 DEFAULT_GLOBAL_BATCH = 64
@@ -54,7 +54,7 @@ class ElasticSampler:
     ``global_batch`` indices from there; this rank gets the contiguous slice
     ``[offset, offset + share)`` of it given by ``batch_plan``. When the global
     batch does not divide by the world size, the lowest ranks get one sample
-    more (see :func:`elastic_runner.scaling.split_evenly`).
+    more (see :func:`elastic_runner.worker.scaling.split_evenly`).
 
     Checkpoints: the position advances when a batch is *yielded*, before the
     loop body runs, so a ``state_dict()`` taken inside the body after training
@@ -264,7 +264,7 @@ def _step_boundary(step: int, samples: int) -> None:
     Through sys.modules so that this module never imports the runtime (or torch):
     without er.init() there is no runtime, and nothing to do.
     """
-    runtime = sys.modules.get("elastic_runner.runtime")
+    runtime = sys.modules.get("elastic_runner.worker.runtime")
     if runtime is not None:
         runtime.at_step_boundary(step, samples)
 

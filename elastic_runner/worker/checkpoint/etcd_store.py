@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from elastic_runner.checkpoint_latest import refuses
+from elastic_runner.worker.checkpoint.latest import refuses
 from elastic_runner.config import EtcdConfig
 from elastic_runner.rendezvous import protocol as p
 

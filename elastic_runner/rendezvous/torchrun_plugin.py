@@ -53,7 +53,7 @@ from elastic_runner.errors import (
 )
 from elastic_runner.etcd.client import EtcdClient, parse_endpoint
 from elastic_runner.rendezvous import protocol as p
-from elastic_runner.rendezvous.handler import EtcdRendezvous
+from elastic_runner.rendezvous.engine import EtcdRendezvous
 from elastic_runner.rendezvous.torch_store import EtcdStore
 from elastic_runner.validation import check_tls_files, sanitize_id
 

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def etcd_config(args, environ: dict[str, str]) -> EtcdConfig:
-    from elastic_runner.cli import read_password
+    from elastic_runner.cli.main import read_password
     from elastic_runner.etcd.client import parse_endpoint
     from elastic_runner.validation import check_id, check_tls_files
 
@@ -317,8 +317,8 @@ def _drain(changes: queue.Queue) -> bool:
 def main(argv: list[str], environ: dict[str, str]) -> int:
     from rich.console import Console
 
-    from elastic_runner.cli import apply_env_defaults
-    from elastic_runner.launch import connect
+    from elastic_runner.cli.main import apply_env_defaults
+    from elastic_runner.agent.launch import connect
 
     parser = build_parser()
     apply_env_defaults(parser, environ)

@@ -53,15 +53,15 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from elastic_runner.checkpoint_async import BackgroundWriter
-from elastic_runner.checkpoint_latest import (
+from elastic_runner.worker.checkpoint.background import BackgroundWriter
+from elastic_runner.worker.checkpoint.latest import (
     NO_CHECKPOINT,
     LatestStore,
     MemoryLatestStore,
     names_no_checkpoint,
     refuses,
 )
-from elastic_runner.checkpoint_storage import Storage as _Storage
+from elastic_runner.worker.checkpoint.storage import Storage as _Storage
 from elastic_runner.errors import CheckpointError, CheckpointWriteError, StaleWriterError
 
 __all__ = [
@@ -69,7 +69,7 @@ __all__ = [
     "LatestStore", "MemoryLatestStore", "StaleWriterError",
 ]
 
-log = logging.getLogger("elastic_runner.checkpoint")
+log = logging.getLogger("elastic_runner.worker.checkpoint.checkpointer")
 
 FORMAT = 1
 STATE_FILE = "state.pt"

@@ -18,7 +18,7 @@ import sys
 import urllib.parse
 from pathlib import Path
 
-from elastic_runner.cloud_notice import CLOUDS, DEFAULT_BASE_URLS
+from elastic_runner.agent.cloud_notice import CLOUDS, DEFAULT_BASE_URLS
 from elastic_runner.config import (
     AgentConfig, CloudNoticeConfig, EtcdConfig, RendezvousConfig, WorkerConfig,
 )
@@ -403,14 +403,14 @@ def main(argv: list[str] | None = None) -> int:
     verbose = False  # the detail of an error, once -v is known to be ours (not the script's)
     try:
         if argv[:1] and argv[0] in SUBCOMMANDS:
-            module = importlib.import_module(f"elastic_runner.{SUBCOMMANDS[argv[0]]}")
+            module = importlib.import_module(f"elastic_runner.cli.{SUBCOMMANDS[argv[0]]}")
             return module.main(argv[1:], environ)
         args = parse_args(argv, environ)
         verbose = args.verbose > 0
         config = build_config(args, environ, count_gpus() if args.nproc_per_node in
                               ("auto", "gpu") else 0)
         setup_logging(config.verbosity, config.rendezvous.node_id)
-        from elastic_runner.launch import launch
+        from elastic_runner.agent.launch import launch
         return launch(config, environ)
     except ElasticRunError as exc:
         print(f"elastic-run: error: {exc}", file=sys.stderr)

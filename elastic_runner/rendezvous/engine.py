@@ -123,6 +123,30 @@ class EtcdRendezvous:
         """One cheap request: raises EtcdUnavailable while etcd does not answer."""
         self._client.server_version()
 
+    # ---- what the agent may use besides rounds ----------------------------------
+    # The agent waits, interrupts and asks how long etcd has been silent; it never
+    # touches the mirror or the lease, so either can change without the agent noticing.
+    def change_marker(self) -> int:
+        """A token for wait_for_change: read it before looking, wait after."""
+        return self.mirror.generation
+
+    def wait_for_change(self, timeout_s: float, since: int) -> bool:
+        """Sleep until etcd changed (or wake() was called) after `since`, or the timeout."""
+        return self.mirror.wait(timeout_s, since)
+
+    def wake(self) -> None:
+        """Make a waiter look again now (a cloud notice, a signal)."""
+        self.mirror.wake()
+
+    def interrupt(self) -> None:
+        """Stop waiting for rounds: next_plan raises ShutdownRequested."""
+        self.shutdown.set()
+        self.mirror.wake()
+
+    def seconds_since_etcd_answered(self) -> float:
+        """How long the lease keep-alive has gone unanswered (0 before registering)."""
+        return self.lease.seconds_since_refresh() if self.lease is not None else 0.0
+
     # ---- reading the mirror -----------------------------------------------------
     def current_round(self) -> RoundView | None:
         kv = self.mirror.get(p.round_key(self.prefix))

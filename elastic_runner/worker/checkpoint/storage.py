@@ -19,7 +19,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from elastic_runner.errors import CheckpointError
 
-log = logging.getLogger("elastic_runner.checkpoint")
+log = logging.getLogger("elastic_runner.worker.checkpoint.checkpointer")
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{12}$")  # write_atomic's names, nothing else

@@ -41,7 +41,7 @@ def send_notice(client, run_id: str, node_id: str) -> int:
 
 
 def main(argv: list[str], environ: dict[str, str]) -> int:
-    from elastic_runner.launch import connect
+    from elastic_runner.agent.launch import connect
 
     args = build_parser().parse_args(argv)
     check_id(args.run_id, "--run-id")

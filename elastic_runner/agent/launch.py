@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from elastic_runner.agent import Agent
+from elastic_runner.agent.agent import Agent
 from elastic_runner.config import AgentConfig, EtcdConfig
 from elastic_runner.errors import ConfigError, EtcdError
 from elastic_runner.etcd.client import EtcdClient
@@ -39,7 +39,7 @@ def launch(config: AgentConfig, environ: dict[str, str]) -> int:
         agent = Agent(config, client, etcd_config, environ)
         stack.callback(agent.close)
         if config.metrics_port is not None:
-            from elastic_runner.metrics import start_metrics_server
+            from elastic_runner.agent.metrics import start_metrics_server
 
             try:
                 server = start_metrics_server(config.metrics_port, agent.progress_dir,
