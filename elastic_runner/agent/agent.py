@@ -23,9 +23,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tenacity import (
+    Retrying, retry_if_exception_type, stop_after_delay, stop_when_event_set, wait_fixed,
+)
+
 from elastic_runner import contract
 from elastic_runner.agent import drain
 from elastic_runner.agent.cloud_notice import CloudNoticeWatcher
+from elastic_runner.agent.ports import NoticeWatcher, Rendezvous, StartWorkers, Workers
 from elastic_runner.config import AgentConfig, EtcdConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE, read_progress
 from elastic_runner.errors import (
@@ -42,6 +47,8 @@ log = logging.getLogger("elastic_runner")
 
 SUCCEEDED, FAILED, CHANGED, SHUTDOWN, NOTICE = "succeeded", "failed", "changed", "shutdown", \
     "notice"
+# Seconds between pings while the workers are stopped for an etcd outage.
+ETCD_RETRY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -52,14 +59,16 @@ class Outcome:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, client: EtcdClient, etcd: EtcdConfig,
-                 base_env: dict[str, str]):
+    """One node's agent. Its collaborators come in as parameters (ports.py) so its
+    decisions can be tested without etcd or processes; `on_etcd` builds the real ones."""
+
+    def __init__(self, config: AgentConfig, rendezvous: Rendezvous, etcd: EtcdConfig,
+                 base_env: dict[str, str], start_workers: StartWorkers = WorkerGroup.start,
+                 cloud_watcher: NoticeWatcher | None = None):
         self._config = config
         self._rdzv_config = config.rendezvous
-        spec = JobSpec(config.rendezvous.min_nodes, config.rendezvous.max_nodes,
-                       config.workers.fingerprint, config.rendezvous.min_workers,
-                       config.rendezvous.max_workers)
-        self.rendezvous = EtcdRendezvous(client, config.rendezvous, spec, config.max_restarts)
+        self.rendezvous = rendezvous
+        self._start_workers = start_workers
         # Private to this agent (mkdtemp: mode 0700): the worker contract's files.
         self._scratch = Path(tempfile.mkdtemp(prefix="elastic-run-agent-"))
         self._notice_path = self._scratch / contract.NOTICE_FILE
@@ -76,13 +85,24 @@ class Agent:
         self._password_file = self._scratch / contract.PASSWORD_FILE
         self._base_env = dict(base_env)
         self._job = job_env(config, etcd, self._scratch, self.events.path)
-        self._cloud_watcher = (CloudNoticeWatcher(config.cloud_notice,
-                                                  on_notice=self.rendezvous.wake)
-                               if config.cloud_notice is not None else None)
+        self._cloud_watcher = cloud_watcher
         self._signal: int | None = None
         self._signal_seen = threading.Event()
         # How long workers keep training while etcd does not answer.
         self._etcd_grace_s = 2.0 * config.rendezvous.lease_ttl_s
+
+    @classmethod
+    def on_etcd(cls, config: AgentConfig, client: EtcdClient, etcd: EtcdConfig,
+                base_env: dict[str, str]) -> Agent:
+        """The production agent: rounds in etcd, real worker processes, and the
+        cloud's metadata service when --notice-from asks for it."""
+        rdzv = config.rendezvous
+        spec = JobSpec(rdzv.min_nodes, rdzv.max_nodes, config.workers.fingerprint,
+                       rdzv.min_workers, rdzv.max_workers)
+        rendezvous = EtcdRendezvous(client, rdzv, spec, config.max_restarts)
+        watcher = (CloudNoticeWatcher(config.cloud_notice, on_notice=rendezvous.wake)
+                   if config.cloud_notice is not None else None)
+        return cls(config, rendezvous, etcd, base_env, WorkerGroup.start, watcher)
 
     # ---- signals ----------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -93,6 +113,12 @@ class Agent:
             signal.signal(getattr(signal, name.strip()), self._on_signal)
 
     def _on_signal(self, signum: int, _frame) -> None:
+        self.request_stop(signum)
+
+    def request_stop(self, signum: int) -> None:
+        """What a caught signal does (the first one counts): the monitor acts on it at
+        its next look, a rendezvous wait ends at once. Public so a test, or a program
+        that embeds the agent, can deliver one without a real signal."""
         if self._signal is None:
             self._signal = signum
             self._signal_seen.set()
@@ -157,7 +183,7 @@ class Agent:
                 self._password_file.unlink(missing_ok=True)
             previous = plan
 
-    def _leave(self, outcome: Outcome, group: WorkerGroup, plan: Plan) -> int:
+    def _leave(self, outcome: Outcome, group: Workers, plan: Plan) -> int:
         if outcome.kind == SHUTDOWN:
             return self._graceful_exit(group)
         if outcome.kind == NOTICE:
@@ -193,24 +219,33 @@ class Agent:
             out.write(self._etcd_password)
 
     def _wait_for_etcd(self, error: EtcdUnavailable) -> None:
-        """Workers are stopped; wait (up to --join-timeout) for etcd to answer again."""
+        """Workers are stopped; wait (up to --join-timeout) for etcd to answer again.
+
+        A bounded retry, one ping per ETCD_RETRY_S: past --join-timeout the last
+        EtcdUnavailable ends the node; a signal ends the wait at once as
+        ShutdownRequested (the pause between pings wakes on it, so no ping is wasted).
+        """
         log.warning("%s; workers stopped, waiting up to %.0f s for etcd", error,
                     self._rdzv_config.join_timeout_s)
         self.events.emit("etcd_lost", error=str(error))
-        deadline = time.monotonic() + self._rdzv_config.join_timeout_s
-        while True:
+        retrying = Retrying(
+            retry=retry_if_exception_type(EtcdUnavailable), wait=wait_fixed(ETCD_RETRY_S),
+            stop=(stop_after_delay(self._rdzv_config.join_timeout_s)
+                  | stop_when_event_set(self._signal_seen)),
+            sleep=self._signal_seen.wait, reraise=True)
+        try:
+            for attempt in retrying:
+                with attempt:
+                    if self._signal_seen.is_set():
+                        raise ShutdownRequested("shutdown requested while etcd was unreachable")
+                    self.rendezvous.ping()
+        except EtcdUnavailable:
             if self._signal_seen.is_set():
-                raise ShutdownRequested("shutdown requested while etcd was unreachable")
-            try:
-                self.rendezvous.ping()
-                log.info("etcd answers again: re-forming the job")
-                return
-            except EtcdUnavailable:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.5)
+                raise ShutdownRequested("shutdown requested while etcd was unreachable") from None
+            raise
+        log.info("etcd answers again: re-forming the job")
 
-    def _start(self, plan: Plan, previous: Plan | None, paused_at: float) -> WorkerGroup:
+    def _start(self, plan: Plan, previous: Plan | None, paused_at: float) -> Workers:
         log.info("%s", plan.describe())
         problem = plan_problem(plan)
         if problem:
@@ -224,9 +259,9 @@ class Agent:
                          members=[{"node": m.node_id, "node_rank": m.node_rank,
                                    "first_rank": m.first_rank, "nproc": m.nproc}
                                   for m in plan.members])
-        group = WorkerGroup.start(plan, self._rdzv_config.node_id, self._job,
-                                  self._config.workers, self._base_env,
-                                  echo=self._config.verbosity >= 1, error_dir=self._error_dir)
+        group = self._start_workers(plan, self._rdzv_config.node_id, self._job,
+                                    self._config.workers, self._base_env,
+                                    echo=self._config.verbosity >= 1, error_dir=self._error_dir)
         self.events.emit("workers_started", round=plan.round, pids=group.pids)
         if previous is not None:
             pause = time.monotonic() - paused_at
@@ -238,7 +273,7 @@ class Agent:
                              cause=plan.cause)
         return group
 
-    def _monitor(self, group: WorkerGroup, plan: Plan) -> Outcome:
+    def _monitor(self, group: Workers, plan: Plan) -> Outcome:
         while True:
             marker = self.rendezvous.change_marker()
             self._check_etcd_grace()
@@ -259,7 +294,7 @@ class Agent:
             self._relay_notices(plan)
             self.rendezvous.wait_for_change(self._config.workers.monitor_interval_s, marker)
 
-    def _hung_worker(self, group: WorkerGroup) -> WorkerExit | None:
+    def _hung_worker(self, group: Workers) -> WorkerExit | None:
         timeout = self._config.workers.worker_timeout_s
         return group.stalled(self.progress_dir, timeout) if timeout else None
 
@@ -308,7 +343,7 @@ class Agent:
                      ", ".join(leaving))
             self._notice_path.touch()
 
-    def _drain(self, group: WorkerGroup, why: str) -> str:
+    def _drain(self, group: Workers, why: str) -> str:
         """Ask workers to checkpoint the step they are on and exit; return how it ended.
 
         Used when nothing is lost by waiting a step: a newcomer (scale-up) or a
@@ -340,7 +375,7 @@ class Agent:
         self.events.emit("drain", reason=why, ended=ended, waited_s=round(waited, 3))
         return ended
 
-    def _depart(self, group: WorkerGroup, plan: Plan) -> int:
+    def _depart(self, group: Workers, plan: Plan) -> int:
         """Let rank 0 checkpoint the last step, then leave so the rest re-form.
 
         Workers without a step boundary cannot act on a notice: they are stopped at
@@ -358,7 +393,7 @@ class Agent:
         return 0 if ok else 128 + signal.SIGTERM
 
     # ---- leaving ----------------------------------------------------------------
-    def _graceful_exit(self, group: WorkerGroup) -> int:
+    def _graceful_exit(self, group: Workers) -> int:
         """Forward the signal, let peers re-form at once, wait for our workers."""
         log.info("%s received: forwarding to workers and leaving the run", self._signal_name())
         self.rendezvous.leave()

@@ -36,7 +36,7 @@ def launch(config: AgentConfig, environ: dict[str, str]) -> int:
         log.info("run id: %s", config.rendezvous.run_id)
         client = connect(etcd_config)
         stack.callback(client.close)
-        agent = Agent(config, client, etcd_config, environ)
+        agent = Agent.on_etcd(config, client, etcd_config, environ)
         stack.callback(agent.close)
         if config.metrics_port is not None:
             from elastic_runner.agent.metrics import start_metrics_server
