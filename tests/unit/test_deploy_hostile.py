@@ -364,7 +364,8 @@ def test_shell_quote_is_one_line_and_round_trips(value, tmp_path):
 def test_deploy_imports_no_grpc_or_etcd_client_of_its_own():
     """deploy's own imports: stdlib, yaml and torch/grpc-free project modules (cli is the verb's host)."""
     import ast
-    allowed = {"argparse", "math", "re", "shlex", "dataclasses", "pathlib", "typing", "yaml",
+    allowed = {"argparse", "math", "re", "shlex", "string", "importlib", "dataclasses", "pathlib",
+               "typing", "yaml",
                "__future__", "elastic_runner.cli.main", "elastic_runner.cli.deploy_quoting",
                "elastic_runner.errors", "elastic_runner.rendezvous.protocol"}
     for module in (deploy, deploy_quoting):
