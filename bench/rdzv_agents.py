@@ -90,7 +90,8 @@ class SimAgent:
 def new_client(endpoint: str):
     from elastic_runner.config import EtcdConfig
     from elastic_runner.etcd.client import EtcdClient
-    return EtcdClient(EtcdConfig((endpoint,), timeout_s=30.0, retry_deadline_s=60.0))
+    # Hundreds of simulated agents share one process: calls are slow under that load.
+    return EtcdClient(EtcdConfig.build((endpoint,), timeout_s=30.0))
 
 
 def agreed(agents, size: int, after_round: int):
@@ -249,7 +250,7 @@ def last_registration(endpoint: str, run_id: str) -> float:
     from elastic_runner.config import EtcdConfig
     from elastic_runner.etcd.client import EtcdClient
     from elastic_runner.rendezvous import protocol as p
-    client = EtcdClient(EtcdConfig((endpoint,), timeout_s=30.0))
+    client = EtcdClient(EtcdConfig.build((endpoint,), timeout_s=30.0))
     kvs, _ = client.get_prefix(p.nodes_prefix(f"/elastic-runner/v1/{run_id}/"))
     client.close()
     return max((json.loads(kv.value).get("registered_at", 0.0) for kv in kvs), default=0.0)

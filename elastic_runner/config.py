@@ -13,13 +13,64 @@ from elastic_runner.rendezvous.protocol import (  # noqa: F401  (re-exported)
     OLDER_SCHEMA_PREFIXES, SCHEMA_PREFIX, run_prefix,
 )
 
+# Seconds one etcd call may take unless --etcd-timeout says otherwise.
+DEFAULT_ETCD_TIMEOUT_S = 5.0
+# The longest a stream of arrivals holds a round open unless --settle-max (or a
+# longer --settle) says otherwise: the CLI and the torchrun plug-in share it.
+DEFAULT_SETTLE_MAX_S = 30.0
+# The shortest time a logical etcd call keeps retrying: an etcd leader election
+# takes a second or two, and a client that gives up sooner turns it into an error.
+MIN_RETRY_DEADLINE_S = 5.0
+# The keep-alive never refreshes more often than this, however short the TTL.
+MIN_KEEPALIVE_INTERVAL_S = 0.2
+
+
+def etcd_grace_s(lease_ttl_s: float) -> float:
+    """How long a lease holder tolerates etcd not answering: two TTLs.
+
+    Why two: a live etcd drops our lease one TTL after the last refresh that
+    reached it, and that refresh may have come up to a keep-alive interval
+    before etcd went silent to us; past two TTLs the others have certainly
+    re-formed without us. Through a whole-cluster outage etcd extends leases on
+    the new leader, so a blip shorter than this costs no one their membership.
+    """
+    return 2.0 * lease_ttl_s
+
+
+def retry_deadline_s(timeout_s: float, lease_ttl_s: float | None = None) -> float:
+    """The one rule for how long a logical etcd call retries transient failures.
+
+    A lease holder (an agent, the torchrun plug-in) retries as long as its etcd
+    grace: giving up sooner would fail a node that is still a member, and longer
+    is pointless, since past the grace the node stops its workers anyway. A client
+    without a lease (a one-shot verb, a worker recording its checkpoint) retries
+    for two full call timeouts, so one slow answer is retried once. Both wait at
+    least MIN_RETRY_DEADLINE_S, the length of a leader election.
+    """
+    basis = etcd_grace_s(lease_ttl_s) if lease_ttl_s is not None else 2.0 * timeout_s
+    return max(basis, MIN_RETRY_DEADLINE_S)
+
+
+def keepalive_interval_s(lease_ttl_s: float) -> float:
+    """How often a lease is refreshed: three times per TTL.
+
+    Why a third: two refreshes in a row may fail (a slow etcd, a CPU-starved host)
+    before the lease expires. The floor keeps a sub-second TTL from hammering etcd.
+    """
+    return max(lease_ttl_s / 3.0, MIN_KEEPALIVE_INTERVAL_S)
+
 
 @dataclass(frozen=True)
 class EtcdConfig:
-    """How to reach etcd. `endpoints` empty means: start an embedded etcd."""
+    """How to reach etcd. `endpoints` empty means: start an embedded etcd.
+
+    Build it with `EtcdConfig.build`, which derives the retry deadline by the one
+    rule (`retry_deadline_s`); the plain constructor is for tests that need an
+    exact deadline. A copy with another endpoint is `dataclasses.replace`.
+    """
 
     endpoints: tuple[str, ...] = ()
-    timeout_s: float = 5.0
+    timeout_s: float = DEFAULT_ETCD_TIMEOUT_S
     # How long one logical call keeps retrying transient failures before it
     # surfaces as EtcdUnavailable.
     retry_deadline_s: float = 10.0
@@ -29,6 +80,19 @@ class EtcdConfig:
     user: str | None = None
     password: str | None = field(default=None, repr=False)
     binary: str | None = None
+
+    @classmethod
+    def build(cls, endpoints: tuple[str, ...], timeout_s: float = DEFAULT_ETCD_TIMEOUT_S, *,
+              lease_ttl_s: float | None = None, cacert: str | None = None,
+              cert: str | None = None, key: str | None = None, user: str | None = None,
+              password: str | None = None, binary: str | None = None) -> EtcdConfig:
+        """The configuration of every etcd client the project opens.
+
+        `lease_ttl_s`: the TTL of the lease this client keeps alive, or None when it
+        holds none; it decides the retry deadline (see `retry_deadline_s`).
+        """
+        return cls(tuple(endpoints), timeout_s, retry_deadline_s(timeout_s, lease_ttl_s),
+                   cacert or None, cert or None, key or None, user or None, password, binary)
 
 
 @dataclass(frozen=True)
@@ -56,11 +120,35 @@ class RendezvousConfig:
     labels: tuple[tuple[str, str], ...] = ()
     # Rank 0 goes to a member with this label when there is one.
     rank0_prefer: tuple[str, str] | None = ("lifecycle", "on-demand")
-    settle_max_s: float = 30.0
+    settle_max_s: float = DEFAULT_SETTLE_MAX_S
 
     @property
     def prefix(self) -> str:
         return run_prefix(self.run_id)
+
+    @property
+    def etcd_grace_s(self) -> float:
+        """How long workers keep training while etcd does not answer (two TTLs;
+        why: `etcd_grace_s` at module level)."""
+        return etcd_grace_s(self.lease_ttl_s)
+
+    @property
+    def keepalive_interval_s(self) -> float:
+        """How often this node's lease is refreshed (a third of the TTL)."""
+        return keepalive_interval_s(self.lease_ttl_s)
+
+    @property
+    def write_visible_timeout_s(self) -> float:
+        """How long a transaction waits to see its own write in the local mirror.
+
+        Why wait: the next decision reads the mirror, and deciding before our own
+        write shows there would act on the state it just replaced. Why the TTL: the
+        watch delivers a write within milliseconds, so a mirror a whole TTL behind
+        has a stalled watch; running out is not an error (the loop decides again
+        from what the mirror shows next), and blocking longer than the liveness
+        window would leave this node deaf to members that died meanwhile.
+        """
+        return float(self.lease_ttl_s)
 
 
 @dataclass(frozen=True)

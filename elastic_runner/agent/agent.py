@@ -89,7 +89,7 @@ class Agent:
         self._signal: int | None = None
         self._signal_seen = threading.Event()
         # How long workers keep training while etcd does not answer.
-        self._etcd_grace_s = 2.0 * config.rendezvous.lease_ttl_s
+        self._etcd_grace_s = config.rendezvous.etcd_grace_s
 
     @classmethod
     def on_etcd(cls, config: AgentConfig, client: EtcdClient, etcd: EtcdConfig,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 from elastic_runner.agent.agent import Agent
@@ -32,7 +33,7 @@ def launch(config: AgentConfig, environ: dict[str, str]) -> int:
         if not etcd_config.endpoints:
             server = stack.enter_context(EmbeddedEtcd(binary=etcd_config.binary))
             log.info("started embedded etcd at %s (data in %s)", server.endpoint, server.data_dir)
-            etcd_config = EtcdConfig(**{**etcd_config.__dict__, "endpoints": (server.endpoint,)})
+            etcd_config = dataclasses.replace(etcd_config, endpoints=(server.endpoint,))
         log.info("run id: %s", config.rendezvous.run_id)
         client = connect(etcd_config)
         stack.callback(client.close)

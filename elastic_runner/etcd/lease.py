@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Callable
 
+from elastic_runner.config import keepalive_interval_s
 from elastic_runner.errors import EtcdError
 from elastic_runner.etcd.client import EtcdClient
 
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class KeptLease:
-    """A granted lease refreshed every TTL/3 on a daemon thread."""
+    """A granted lease refreshed on a daemon thread (config.keepalive_interval_s: TTL/3)."""
 
     def __init__(self, client: EtcdClient, ttl_s: int,
                  on_lost: Callable[[], None] | None = None):
@@ -38,14 +39,14 @@ class KeptLease:
         return time.monotonic() - self._last_refresh
 
     def _loop(self) -> None:
-        """Refresh every TTL/3; after a failed refresh, try again soon.
+        """Refresh every keep-alive interval; after a failed refresh, try again soon.
 
         Waiting another full interval after a failure left a single retry
         before the TTL ran out, so one slow answer from a busy etcd (or a
         CPU-starved host) cost the node its membership. Retries back off from
         50 ms up to the interval, so an error that answers at once cannot spin.
         """
-        interval = max(self.ttl_s / 3.0, 0.2)
+        interval = keepalive_interval_s(self.ttl_s)
         pause, failures = interval, 0
         while not self._stop.wait(pause):
             try:

@@ -188,7 +188,8 @@ class EtcdRendezvous:
         guard = (mod_revision_is(p.round_key(self.prefix), seen.mod_revision) if seen
                  else key_missing(p.round_key(self.prefix)))
         result = self._client.txn([guard], [Put(p.round_key(self.prefix), new.to_json()), *extra])
-        self.mirror.wait_revision(result.revision, timeout_s=self._config.lease_ttl_s)
+        self.mirror.wait_revision(result.revision,
+                                  timeout_s=self._config.write_visible_timeout_s)
         return result.succeeded
 
     def open_next(self, seen: RoundView, cause: str) -> bool:
@@ -201,7 +202,8 @@ class EtcdRendezvous:
         key = p.join_key(self.prefix, seen.state.number, self.node_id)
         result = self._client.txn([mod_revision_is(p.round_key(self.prefix), seen.mod_revision)],
                                   [Put(key, joiner.to_json(), self.lease.id)])
-        self.mirror.wait_revision(result.revision, timeout_s=self._config.lease_ttl_s)
+        self.mirror.wait_revision(result.revision,
+                                  timeout_s=self._config.write_visible_timeout_s)
 
     def report_failure(self, number: int, failure: dict) -> None:
         """Record the first failure of a round: the one the job's error will name."""

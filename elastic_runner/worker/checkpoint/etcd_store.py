@@ -18,8 +18,6 @@ from elastic_runner.worker.checkpoint.latest import refuses
 from elastic_runner.config import EtcdConfig
 from elastic_runner.rendezvous import protocol as p
 
-# A worker's etcd calls are few (one per save); give etcd the time a blip takes.
-CALL_TIMEOUT_S, RETRY_DEADLINE_S = 5.0, 10.0
 
 
 class EtcdLatestStore:
@@ -33,8 +31,8 @@ class EtcdLatestStore:
                  options: Mapping[str, Any] | None = None):
         from elastic_runner.etcd.client import EtcdClient
 
-        self._client = EtcdClient(EtcdConfig(endpoints, CALL_TIMEOUT_S, RETRY_DEADLINE_S,
-                                             **dict(options or {})))
+        # A worker holds no lease: config.retry_deadline_s gives it two call timeouts.
+        self._client = EtcdClient(EtcdConfig.build(endpoints, **dict(options or {})))
         self._key = p.checkpoint_key(prefix)
         self._next_plan_key = p.plan_key(prefix, round_number + 1)
 
