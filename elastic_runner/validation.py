@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from elastic_runner.config import DEFAULT_SETTLE_MAX_S
 from elastic_runner.errors import ConfigError
 from elastic_runner.rendezvous.protocol import id_problem
 
@@ -61,6 +62,9 @@ def parse_bool(raw: str, name: str) -> bool:
 
 @dataclass(frozen=True)
 class Bound:
+    """The allowed range of one number: `dest` names it in argparse's namespace, `flag`
+    is how the CLI's user spells it, `need` says the range in words."""
+
     dest: str
     flag: str
     ok: Callable[[float], bool]
@@ -91,18 +95,48 @@ NUMBER_BOUNDS = (
     Bound("master_port", "--master-port", lambda v: 1 <= v <= 65535, "a port in 1-65535"),
     Bound("metrics_port", "--metrics-port", lambda v: 0 <= v <= 65535,
           "a port in 0-65535 (0: any free port)"),
+    # Not an argparse number (--nproc-per-node also takes 'auto'): parse_nproc checks it.
+    Bound("nproc", "--nproc-per-node", lambda v: v >= 1, "at least 1 worker per node"),
 )
+BOUNDS = {bound.dest: bound for bound in NUMBER_BOUNDS}
+
+
+def check_bound(bound: Bound, value, name: str | None = None):
+    """`value` if it is in range (None passes: not given), else ConfigError.
+
+    `name` is how the caller's user spelled the setting (the torchrun plug-in's
+    `--rdzv-conf lease_ttl`); the rest of the line is the same for every caller.
+    """
+    if value is not None and not bound.ok(value):
+        raise ConfigError(f"{name or bound.flag} {value:g}: need {bound.need}")
+    return value
+
+
+def check_number(dest: str, value, name: str | None = None):
+    """One setting against its entry in NUMBER_BOUNDS (see check_bound)."""
+    return check_bound(BOUNDS[dest], value, name)
 
 
 def check_numbers(args) -> None:
     """Negative timeouts, zero intervals and impossible ports fail here, not deep inside."""
     for bound in NUMBER_BOUNDS:
-        value = getattr(args, bound.dest, None)
-        if value is not None and not bound.ok(value):
-            raise ConfigError(f"{bound.flag} {value:g}: need {bound.need}")
-    if args.settle_max is not None and args.settle_max < args.settle:
-        raise ConfigError(f"--settle-max {args.settle_max:g} is below --settle {args.settle:g}: "
+        check_bound(bound, getattr(args, bound.dest, None))
+    settle_cap(args.settle, args.settle_max)
+
+
+def settle_cap(settle: float, settle_max: float | None,
+               names: tuple[str, str] = ("--settle", "--settle-max")) -> float:
+    """The longest a stream of arrivals may hold a round open.
+
+    Given, it must cover the quiet it caps; absent, DEFAULT_SETTLE_MAX_S, or the
+    quiet itself when that is longer (a long --settle alone must not be cut short).
+    """
+    if settle_max is None:
+        return max(DEFAULT_SETTLE_MAX_S, settle)
+    if settle_max < settle:
+        raise ConfigError(f"{names[1]} {settle_max:g} is below {names[0]} {settle:g}: "
                           "the cap on a round's wait must be at least the quiet it waits for")
+    return settle_max
 
 
 def check_tls_files(cacert: str | None, cert: str | None, key: str | None) -> None:

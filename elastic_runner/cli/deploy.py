@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from elastic_runner.cli.main import build_parser, default_run_id, parse_nodes, parse_nproc
+from elastic_runner.cli.flags import build_parser, default_run_id, parse_nodes, parse_nproc
 from elastic_runner.cli.deploy_quoting import (
     PARTITION, TIME, check_dns_label, check_grammar, check_id, check_text, kube_literal,
     printable, shell_join, shell_quote)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from elastic_runner.cli.flags import ETCD_TIMEOUT, add_flags, parse_endpoints
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import ConfigError, RendezvousError
 from elastic_runner.rendezvous import protocol as p
-from elastic_runner.validation import check_id
+from elastic_runner.validation import check_id, check_number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rdzv-endpoints", required=True, help="etcd v3 URLs of the run")
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--node-id", required=True, help="the node that will be reclaimed")
-    parser.add_argument("--etcd-timeout", type=float, default=5.0)
+    add_flags(parser, (ETCD_TIMEOUT,))
     return parser
 
 
@@ -46,12 +47,11 @@ def main(argv: list[str], environ: dict[str, str]) -> int:
     args = build_parser().parse_args(argv)
     check_id(args.run_id, "--run-id")
     check_id(args.node_id, "--node-id")
-    if not args.etcd_timeout > 0:
-        raise ConfigError(f"--etcd-timeout {args.etcd_timeout:g}: need a positive number of seconds")
-    endpoints = tuple(e.strip() for e in args.rdzv_endpoints.split(",") if e.strip())
+    check_number("etcd_timeout", args.etcd_timeout)
+    endpoints = parse_endpoints(args.rdzv_endpoints)
     if not endpoints:
         raise ConfigError("--rdzv-endpoints is empty: give the etcd URLs the run uses")
-    client = connect(EtcdConfig(endpoints, args.etcd_timeout, 2 * args.etcd_timeout))
+    client = connect(EtcdConfig.build(endpoints, args.etcd_timeout))
     try:
         number = send_notice(client, args.run_id, args.node_id)
     finally:

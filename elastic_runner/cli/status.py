@@ -25,48 +25,48 @@ import json
 import queue
 import time
 
+from elastic_runner.cli.flags import (
+    ETCD_ACCESS, ETCD_TIMEOUT, add_flags, apply_env_defaults, flag, parse_endpoints,
+    read_password,
+)
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import ConfigError, RendezvousError
+from elastic_runner.etcd.endpoints import parse_endpoint
 from elastic_runner.rendezvous import protocol as p
+from elastic_runner.validation import check_id, check_number, check_tls_files
+
+# The launcher's etcd flags, plus what only status has; ELASTIC_RUN_* sets each.
+STATUS_FLAGS = (
+    flag("--rdzv-endpoints", "--rdzv-endpoint", help="etcd v3 URLs of the run"),
+    flag("--run-id", "--rdzv-id", help="the run to show (default: list runs)"),
+    ETCD_TIMEOUT, *ETCD_ACCESS,
+    flag("--json", action="store_true", help="print one JSON object per view"),
+    flag("--watch", action="store_true",
+         help="re-render whenever the run changes in etcd (Ctrl-C to stop)"),
+    flag("--events", type=int, default=10, help="recent events to show"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-run status", allow_abbrev=False,
                                      description="Show a run (or list runs) from etcd.")
-    parser.add_argument("--rdzv-endpoints", "--rdzv-endpoint", help="etcd v3 URLs of the run")
-    parser.add_argument("--run-id", "--rdzv-id", help="the run to show (default: list runs)")
-    parser.add_argument("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call")
-    parser.add_argument("--etcd-cacert", help="CA certificate for https endpoints")
-    parser.add_argument("--etcd-cert", help="client certificate")
-    parser.add_argument("--etcd-key", help="client key")
-    parser.add_argument("--etcd-user", help="etcd user name")
-    parser.add_argument("--etcd-password-file", help="file holding the etcd password "
-                        "(or set ELASTIC_RUN_ETCD_PASSWORD)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per view")
-    parser.add_argument("--watch", action="store_true",
-                        help="re-render whenever the run changes in etcd (Ctrl-C to stop)")
-    parser.add_argument("--events", type=int, default=10, help="recent events to show")
+    add_flags(parser, STATUS_FLAGS)
     return parser
 
 
 def etcd_config(args, environ: dict[str, str]) -> EtcdConfig:
-    from elastic_runner.cli.main import read_password
-    from elastic_runner.etcd.client import parse_endpoint
-    from elastic_runner.validation import check_id, check_tls_files
-
-    endpoints = tuple(e.strip() for e in (args.rdzv_endpoints or "").split(",") if e.strip())
+    endpoints = parse_endpoints(args.rdzv_endpoints)
     if not endpoints:
         raise ConfigError("--rdzv-endpoints is required: give the etcd URLs the run uses")
     for endpoint in endpoints:
         parse_endpoint(endpoint)
     if args.run_id:
         check_id(args.run_id, "--run-id")
-    if not args.etcd_timeout > 0:
-        raise ConfigError(f"--etcd-timeout {args.etcd_timeout:g}: need a positive number of seconds")
+    check_number("etcd_timeout", args.etcd_timeout)
     check_tls_files(args.etcd_cacert, args.etcd_cert, args.etcd_key)
-    return EtcdConfig(endpoints, args.etcd_timeout, max(2 * args.etcd_timeout, 5.0),
-                      args.etcd_cacert, args.etcd_cert, args.etcd_key, args.etcd_user,
-                      read_password(args, environ))
+    return EtcdConfig.build(endpoints, args.etcd_timeout, cacert=args.etcd_cacert,
+                            cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
+                            password=read_password(args, environ))
 
 
 # ---- reading etcd ---------------------------------------------------------------
@@ -317,11 +317,10 @@ def _drain(changes: queue.Queue) -> bool:
 def main(argv: list[str], environ: dict[str, str]) -> int:
     from rich.console import Console
 
-    from elastic_runner.cli.main import apply_env_defaults
     from elastic_runner.agent.launch import connect
 
     parser = build_parser()
-    apply_env_defaults(parser, environ)
+    apply_env_defaults(parser, environ, STATUS_FLAGS)
     args = parser.parse_args(argv)
     client = connect(etcd_config(args, environ))
     console = Console(soft_wrap=args.json, highlight=not args.json)

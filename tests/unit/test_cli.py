@@ -6,17 +6,17 @@ import sys
 
 import pytest
 
-from elastic_runner.cli import main as cli
+from elastic_runner.cli import flags, run
 from elastic_runner.errors import ConfigError
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None):
-    return cli.parse_args(argv, environ or {})
+    return flags.parse_args(argv, environ or {})
 
 
 def config_for(argv: list[str], environ: dict[str, str] | None = None, gpu_count: int = 0):
     environ = environ or {}
-    return cli.build_config(parse(argv, environ), environ, gpu_count)
+    return run.build_config(parse(argv, environ), environ, gpu_count)
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def script(tmp_path):
     (["--standalone"], (1, 1)),
 ])
 def test_parse_nodes(argv, expected):
-    assert cli.parse_nodes(parse([*argv, "train.py"])) == expected
+    assert flags.parse_nodes(parse([*argv, "train.py"])) == expected
 
 
 @pytest.mark.parametrize("argv, phrase", [
@@ -54,7 +54,7 @@ def test_parse_nodes(argv, expected):
 ])
 def test_parse_nodes_rejects(argv, phrase):
     with pytest.raises(ConfigError, match=None) as info:
-        cli.parse_nodes(parse([*argv, "train.py"]))
+        flags.parse_nodes(parse([*argv, "train.py"]))
     assert phrase in str(info.value)
     assert info.value.exit_code == 2
 
@@ -70,13 +70,13 @@ def test_parse_nodes_rejects(argv, phrase):
     ("3", 8, 3),
 ])
 def test_parse_nproc(text, gpus, expected):
-    assert cli.parse_nproc(text, gpus) == expected
+    assert flags.parse_nproc(text, gpus) == expected
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "two", "", "1.5"])
 def test_parse_nproc_rejects(text):
     with pytest.raises(ConfigError) as info:
-        cli.parse_nproc(text, 4)
+        flags.parse_nproc(text, 4)
     assert "--nproc-per-node" in str(info.value)
 
 
@@ -124,12 +124,12 @@ def test_command_line_min_max_wins_over_env_nnodes():
     # command line: the command line wins over the environment.
     args = parse(["--min-nodes", "2", "--max-nodes", "3", "train.py"],
                  {"ELASTIC_RUN_NNODES": "1:4"})
-    assert cli.parse_nodes(args) == (2, 3)
+    assert flags.parse_nodes(args) == (2, 3)
 
 
 def test_command_line_nnodes_wins_over_env_min_nodes():
     args = parse(["--nnodes", "3", "train.py"], {"ELASTIC_RUN_MIN_NODES": "2"})
-    assert cli.parse_nodes(args) == (3, 3)
+    assert flags.parse_nodes(args) == (3, 3)
 
 
 @pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("0", False),
@@ -140,13 +140,13 @@ def test_env_boolean_flag(value, expected):
 
 
 def test_env_nnodes_range():
-    assert cli.parse_nodes(parse(["train.py"], {"ELASTIC_RUN_NNODES": "2:3"})) == (2, 3)
+    assert flags.parse_nodes(parse(["train.py"], {"ELASTIC_RUN_NNODES": "2:3"})) == (2, 3)
 
 
 def test_env_bad_integer_is_config_error():
-    parser = cli.build_parser()
+    parser = flags.build_parser()
     with pytest.raises(ConfigError) as info:
-        cli.apply_env_defaults(parser, {"ELASTIC_RUN_MIN_NODES": "abc"})
+        flags.apply_env_defaults(parser, {"ELASTIC_RUN_MIN_NODES": "abc"})
     assert "ELASTIC_RUN_MIN_NODES" in str(info.value)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_runner.cli import main as cli
+from elastic_runner.cli import flags, main as cli, run
 from elastic_runner.config import CloudNoticeConfig
 from elastic_runner.errors import ConfigError
 
@@ -18,7 +18,7 @@ def script(tmp_path):
 
 def config_for(argv, environ=None):
     environ = environ or {}
-    return cli.build_config(cli.parse_args(argv, environ), environ, 0)
+    return run.build_config(flags.parse_args(argv, environ), environ, 0)
 
 
 def test_off_by_default(script):
@@ -90,7 +90,7 @@ def test_unknown_cloud_from_environment_is_one_line(script):
 
 def test_unknown_cloud_on_command_line_is_argparse_exit_2(script, capsys):
     with pytest.raises(SystemExit) as info:
-        cli.parse_args(["--notice-from", "oracle", script], {})
+        flags.parse_args(["--notice-from", "oracle", script], {})
     assert info.value.code == 2
     assert "--notice-from" in capsys.readouterr().err
 
@@ -118,8 +118,7 @@ def test_main_exits_2_with_one_line(script, capsys):
 
 
 def test_flags_are_in_the_help():
-    parser = cli.build_parser()
-    flags = {s for action in parser._actions for s in action.option_strings}
-    assert {"--notice-from", "--notice-url"} <= flags
-    text = parser.format_help()
+    names = {name for row in flags.RUN_FLAGS for name in row.names}
+    assert {"--notice-from", "--notice-url"} <= names
+    text = flags.build_parser().format_help()
     assert "--notice-from {aws,gcp,azure}" in text and "--notice-url URL" in text

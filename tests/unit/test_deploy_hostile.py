@@ -25,7 +25,7 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from elastic_runner.cli import deploy, deploy_quoting, main as cli
+from elastic_runner.cli import deploy, deploy_quoting, flags, main as cli
 from elastic_runner.errors import ConfigError
 from elastic_runner.rendezvous.protocol import id_problem
 
@@ -108,7 +108,7 @@ def free_flags(value: str) -> list[str]:
 
 def assert_agent_reads(agent_argv: list[str], value: str, script: str, run_id: str) -> None:
     """The launcher, given the rendered argv, sees every value exactly as typed."""
-    args = cli.build_parser().parse_args(agent_argv)
+    args = flags.build_parser().parse_args(agent_argv)
     assert (args.log_dir, args.notice_file, args.etcd_user, args.rank0_prefer) == (value,) * 4
     assert args.node_label == [f"k={value}"]
     assert (args.entrypoint, args.args) == (script, [value, "--lr", value])
@@ -187,11 +187,11 @@ def test_kubernetes_endpoints_and_entrypoint_stay_one_value(value, capsys):
     docs, _ = k8s_render(value, capsys, f"--rdzv-endpoints={endpoints}", "--run-id=job7")
     assert [d["kind"] for d in docs] == ["Deployment"]
     args = docs[0]["spec"]["template"]["spec"]["containers"][0]["args"]
-    agent = cli.build_parser().parse_args([kube_expand(a, K8S_ENV) for a in args])
+    agent = flags.build_parser().parse_args([kube_expand(a, K8S_ENV) for a in args])
     assert agent.rdzv_endpoints == ",".join(e.strip() for e in endpoints.split(",") if e.strip())
     script = f"train{value}.py"
     docs = k8s_documents(render(["kubernetes", "--dryrun", script, value], capsys))
-    agent = cli.build_parser().parse_args(
+    agent = flags.build_parser().parse_args(
         [kube_expand(a, K8S_ENV) for a in docs[-1]["spec"]["template"]["spec"]["containers"][0]["args"]])
     assert (agent.entrypoint, agent.args) == (script, [value])
     assert id_problem(agent.run_id) is None  # derived from the script name, sanitized
@@ -309,7 +309,7 @@ def test_sbatch_runs_hostile_values_as_one_value(value, capsys, tmp_path, slurm_
     agent_argv = run_sbatch(text, tmp_path, slurm_stubs)
     assert_agent_reads(agent_argv, value, "train.py", "4242")
     endpoints = f"http://e:2379,{value}"
-    assert cli.build_parser().parse_args(agent_argv).rdzv_endpoints == \
+    assert flags.build_parser().parse_args(agent_argv).rdzv_endpoints == \
         ",".join(e.strip() for e in endpoints.split(",") if e.strip())
     assert header_argv(text, tmp_path) == ["elastic-run", "deploy", *[a for a in argv if a != "--dryrun"]]
 
@@ -321,7 +321,7 @@ def test_sbatch_entrypoint_and_run_id(value, capsys, tmp_path, slurm_stubs):
                    "--partition=gpu,debug", "--time=2-00:00:00", script, value], capsys)
     assert_sbatch_layout(text)
     assert "#SBATCH --partition=gpu,debug\n#SBATCH --time=2-00:00:00\n" in text
-    agent = cli.build_parser().parse_args(run_sbatch(text, tmp_path, slurm_stubs))
+    agent = flags.build_parser().parse_args(run_sbatch(text, tmp_path, slurm_stubs))
     assert (agent.entrypoint, agent.args, agent.run_id) == (script, [value], "nightly")
 
 
@@ -332,7 +332,7 @@ def test_sbatch_round_trips_any_text(tmp_path_factory, value):
     bin_dir = make_stubs(tmp_path / "stubs")
     spec, _ = deploy.parse_spec(["slurm", "--dryrun", "--rdzv-endpoints=http://e:2379",
                                  f"--log-dir={value}", "train.py", value])
-    agent = cli.build_parser().parse_args(run_sbatch(deploy.slurm_script(spec), tmp_path, bin_dir))
+    agent = flags.build_parser().parse_args(run_sbatch(deploy.slurm_script(spec), tmp_path, bin_dir))
     assert (agent.log_dir, agent.args) == (value, [value])
 
 
@@ -343,7 +343,7 @@ def test_kubernetes_round_trips_any_text(value):
     docs = k8s_documents(deploy.kubernetes_stream(spec))
     assert len(docs) == 5
     pod = docs[-1]["spec"]["template"]["spec"]["containers"][0]
-    agent = cli.build_parser().parse_args([kube_expand(a, K8S_ENV) for a in pod["args"]])
+    agent = flags.build_parser().parse_args([kube_expand(a, K8S_ENV) for a in pod["args"]])
     assert (pod["image"] or "elastic-runner:cpu", agent.log_dir, agent.args) == \
         (value or "elastic-runner:cpu", value, [value])
 
@@ -366,7 +366,7 @@ def test_deploy_imports_no_grpc_or_etcd_client_of_its_own():
     import ast
     allowed = {"argparse", "math", "re", "shlex", "string", "importlib", "dataclasses", "pathlib",
                "typing", "yaml",
-               "__future__", "elastic_runner.cli.main", "elastic_runner.cli.deploy_quoting",
+               "__future__", "elastic_runner.cli.flags", "elastic_runner.cli.deploy_quoting",
                "elastic_runner.errors", "elastic_runner.rendezvous.protocol"}
     for module in (deploy, deploy_quoting):
         tree = ast.parse(Path(module.__file__).read_text())

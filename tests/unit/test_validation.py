@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_runner.cli.main import build_config, parse_args
+from elastic_runner.cli.flags import parse_args
+from elastic_runner.cli.run import build_config
 from elastic_runner.errors import ConfigError
 from elastic_runner.rendezvous.protocol import id_problem
 from elastic_runner.validation import (
