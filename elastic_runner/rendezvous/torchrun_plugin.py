@@ -22,8 +22,13 @@ agent, transactional round closing) into an unmodified torchrun:
   local_addr     address workers use for MASTER_ADDR when this node hosts rank 0;
                  --local-addr wins; default socket.getfqdn(), like torch's c10d
   master_port    fixed port for the workers' TCPStore (default: a free port)
-  nproc          this node's worker count, recorded in the job spec (default 0)
+  nproc          this node's worker count, recorded in the job spec (default 1)
   cacert, cert, key   TLS files for etcd
+
+Numbers follow the launcher's rules (validation.NUMBER_BOUNDS): a value out of
+range is refused with the line `elastic-run` prints for its flag, naming the key
+(`--rdzv-conf lease_ttl 0: need at least 1 second`), as an RdzvConfError, which
+torch sees as the ValueError it expects from a handler's creation.
 
 The job spec every agent of a run must agree on is (min nodes, max nodes,
 nproc, "torchrun"): torch's parameters carry neither the worker count nor the
@@ -46,7 +51,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from elastic_runner.config import EtcdConfig, RendezvousConfig
+from elastic_runner.config import DEFAULT_ETCD_TIMEOUT_S, EtcdConfig, RendezvousConfig
 from elastic_runner.errors import (
     ConfigError, ElasticRunError, EtcdError, LeaseLost, RendezvousTimeout, RunFinished,
     ShutdownRequested, WorkerFailure,
@@ -55,7 +60,9 @@ from elastic_runner.etcd.client import EtcdClient, parse_endpoint
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous.engine import EtcdRendezvous
 from elastic_runner.rendezvous.torch_store import EtcdStore
-from elastic_runner.validation import check_tls_files, sanitize_id
+from elastic_runner.validation import (
+    Bound, check_bound, check_number, check_tls_files, sanitize_id, settle_cap,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,25 @@ _MAX_RESTARTS_UNUSED = 0
 KNOWN_CONFIG = {"lease_ttl", "settle", "settle_max", "join_timeout", "timeout", "store_timeout",
                 "etcd_timeout", "node_id", "local_addr", "master_port", "nproc",
                 "cacert", "cert", "key"}
+# The one key without a launcher flag; c10d's rendezvous uses the same default.
+STORE_TIMEOUT = Bound("store_timeout", "--rdzv-conf store_timeout",
+                      lambda v: v > 0 and v != float("inf"), "a positive number of seconds")
+
+
+class RdzvConfError(ConfigError, ValueError):
+    """A --rdzv-conf value or torchrun parameter is wrong: a ConfigError, with the launcher's
+    text, and a ValueError, which is what torch expects a handler's creation to raise."""
+
+
+@contextmanager
+def rdzv_conf_errors() -> Iterator[None]:
+    """Re-raise the shared checks' ConfigError as RdzvConfError."""
+    try:
+        yield
+    except RdzvConfError:
+        raise
+    except ConfigError as exc:
+        raise RdzvConfError(str(exc)) from exc
 
 
 @contextmanager
@@ -199,15 +225,29 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
 
 # ---- the creator torchrun calls ---------------------------------------------------
-def _number(params: RendezvousParameters, key: str, default: float) -> float:
-    """--rdzv-conf values arrive as strings; programmatic callers may pass numbers."""
+def _number(params: RendezvousParameters, key: str, default: float | None,
+            whole: bool = False) -> float | None:
+    """--rdzv-conf values arrive as strings; programmatic callers may pass numbers.
+    `whole`: the launcher's flag is an integer (argparse refuses 1.5 there too)."""
     value = params.get(key)
     if value is None or value == "":
         return default
     try:
-        return float(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"--rdzv-conf {key}={value!r} is not a number") from exc
+        number = float(value)
+    except (TypeError, ValueError):
+        raise RdzvConfError(f"--rdzv-conf {key}={value!r} is not a number") from None
+    if whole:
+        if not number.is_integer():
+            raise RdzvConfError(f"--rdzv-conf {key}={value!r} is not a whole number")
+        return int(number)
+    return number
+
+
+def _checked(params: RendezvousParameters, key: str, default: float | None,
+             dest: str | None = None, whole: bool = False) -> float | None:
+    """A --rdzv-conf number, checked against the launcher's bound for the same setting."""
+    value = _number(params, key, default, whole)
+    return check_number(dest or key, value, f"--rdzv-conf {key}")
 
 
 def _default_node_id() -> str:
@@ -215,51 +255,61 @@ def _default_node_id() -> str:
     return sanitize_id(f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}", "node")
 
 
-def etcd_config(params: RendezvousParameters) -> EtcdConfig:
+def etcd_config(params: RendezvousParameters, lease_ttl_s: int) -> EtcdConfig:
+    """How this agent reaches etcd; `lease_ttl_s` (its lease) sets the retry deadline."""
     endpoints = tuple(e.strip() for e in (params.endpoint or "").split(",") if e.strip())
     if not endpoints:
-        raise ValueError("--rdzv-endpoint is empty: give the etcd endpoint(s) as "
-                         "HOST:PORT[,HOST:PORT] or http(s)://HOST:PORT")
-    try:
+        raise RdzvConfError("--rdzv-endpoint is empty: give the etcd endpoint(s) as "
+                            "HOST:PORT[,HOST:PORT] or http(s)://HOST:PORT")
+    with rdzv_conf_errors():
         for endpoint in endpoints:
             parse_endpoint(endpoint)
         check_tls_files(params.get("cacert"), params.get("cert"), params.get("key"))
-    except ConfigError as exc:
-        raise ValueError(str(exc)) from exc
-    return EtcdConfig(endpoints=endpoints, timeout_s=_number(params, "etcd_timeout", 5.0),
-                      cacert=params.get("cacert"), cert=params.get("cert"),
-                      key=params.get("key"))
+        timeout = _checked(params, "etcd_timeout", DEFAULT_ETCD_TIMEOUT_S)
+    return EtcdConfig.build(endpoints, timeout, lease_ttl_s=lease_ttl_s,
+                            cacert=params.get("cacert"), cert=params.get("cert"),
+                            key=params.get("key"))
 
 
 def rendezvous_config(params: RendezvousParameters) -> RendezvousConfig:
-    join_timeout = _number(params, "join_timeout", _number(params, "timeout", 600.0))
-    port = int(_number(params, "master_port", 0))
+    """torchrun's parameters, checked by the launcher's rules (RdzvConfError if not)."""
     node_id = str(params.get("node_id") or _default_node_id())
     for what, value in (("--rdzv-id", params.run_id), ("--rdzv-conf node_id", node_id)):
         problem = p.id_problem(value)
         if problem:
-            raise ValueError(f"{what} {problem}")
-    return RendezvousConfig(
-        run_id=params.run_id, node_id=node_id,
-        min_nodes=params.min_nodes, max_nodes=params.max_nodes,
-        lease_ttl_s=max(int(_number(params, "lease_ttl", 5)), 1),
-        join_timeout_s=join_timeout, settle_s=_number(params, "settle", 2.0),
-        settle_max_s=max(_number(params, "settle_max", 30.0), _number(params, "settle", 2.0)),
-        node_addr=params.local_addr or params.get("local_addr") or socket.getfqdn(),
-        master_port=port or None, nproc=max(int(_number(params, "nproc", 1)), 1),
-    )
+            raise RdzvConfError(f"{what} {problem}")
+    with rdzv_conf_errors():
+        given_join = params.get("join_timeout") not in (None, "")
+        join_timeout = _checked(params, "join_timeout" if given_join else "timeout", 600.0,
+                                dest="join_timeout")
+        settle = _checked(params, "settle", 2.0)
+        settle_max = settle_cap(settle, _checked(params, "settle_max", None),
+                                ("--rdzv-conf settle", "--rdzv-conf settle_max"))
+        return RendezvousConfig(
+            run_id=params.run_id, node_id=node_id,
+            min_nodes=params.min_nodes, max_nodes=params.max_nodes,
+            lease_ttl_s=_checked(params, "lease_ttl", 5, whole=True),
+            join_timeout_s=join_timeout, settle_s=settle, settle_max_s=settle_max,
+            node_addr=params.local_addr or params.get("local_addr") or socket.getfqdn(),
+            master_port=_checked(params, "master_port", None, whole=True),
+            nproc=_checked(params, "nproc", 1, whole=True),
+        )
 
 
 def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
-    """Build a handler from torchrun's parameters; bad values raise ValueError early."""
+    """Build a handler from torchrun's parameters; bad values raise RdzvConfError (a
+    ValueError) before anything touches etcd."""
     unknown = sorted(set(params.config) - KNOWN_CONFIG)
     if unknown:
         log.warning("ignoring unknown --rdzv-conf keys for %s: %s", BACKEND, ", ".join(unknown))
     rdzv = rendezvous_config(params)
     spec = p.JobSpec(params.min_nodes, params.max_nodes, FINGERPRINT)
-    store_timeout = timedelta(seconds=_number(params, "store_timeout", 300.0))
+    with rdzv_conf_errors():
+        store_timeout = timedelta(seconds=check_bound(
+            STORE_TIMEOUT, _number(params, "store_timeout", 300.0)))
+    config = etcd_config(params, rdzv.lease_ttl_s)
     with torch_errors():
-        client = EtcdClient(etcd_config(params))
+        client = EtcdClient(config)
     return EtcdV3RendezvousHandler(client, rdzv, spec, store_timeout)
 
 
