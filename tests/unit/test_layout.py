@@ -20,8 +20,11 @@ def test_module_loads_without_grpc_or_the_etcd_client(module):
     assert done.stdout.strip() == "[]"
 
 
-def test_the_contract_and_the_cli_load_without_torch():
-    probe = ("import sys, elastic_runner.cli.main, elastic_runner.contract; "
+def test_the_contract_the_cli_and_the_agent_load_without_torch():
+    """The agent runs on every node for the whole job: torch's import time and memory
+    belong to the workers only."""
+    probe = ("import sys, elastic_runner.cli.main, elastic_runner.contract, "
+             "elastic_runner.agent.agent, elastic_runner.agent.launch; "
              "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=120)
