@@ -4,8 +4,8 @@ The two sides talk through three media only, all spelled here:
 - the environment the agent gives each worker (`WorkerEnv`: torchrun's variables,
   which unmodified torchrun scripts read, plus ELASTIC_RUN_* for the runtime);
 - small files in the agent's private scratch folder (the notice marker, one progress
-  file per rank, the checkpoint record rank 0 leaves for the metrics, torch's error
-  file per rank);
+  file per rank -- written by `ProgressWriter`, read by `read_progress` -- the checkpoint
+  record rank 0 leaves for the metrics, torch's error file per rank);
 - exit codes (`EXIT_FOR_RESIZE`).
 The etcd key layout is not part of it: it lives in `rendezvous/protocol.py`.
 """
@@ -13,9 +13,12 @@ The etcd key layout is not part of it: it lives in `rendezvous/protocol.py`.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Mapping
+
+from elastic_runner.files import write_atomic
 
 # A worker that stopped on purpose for a resize (after checkpointing the current step)
 # exits with EX_TEMPFAIL: membership is changing, nothing failed.
@@ -51,6 +54,51 @@ def read_progress(progress_dir: Path) -> list[dict]:
         except (OSError, ValueError):
             continue
     return records
+
+
+@dataclass
+class ProgressWriter:
+    """One worker's progress file; writes at most once per `min_interval_s`.
+
+    Why rate-limited: `er.report()` is called every step, and a step can take
+    microseconds; the file only has to be fresh at scrape granularity. Why here: the
+    worker writes it and the agent reads it, and the worker side must not import the
+    agent.
+    """
+
+    path: Path
+    min_interval_s: float = 0.5
+    _last: dict | None = None
+    _written_at: float = float("-inf")
+
+    def write(self, step: int, samples: int, now: float | None = None, *,
+              boundary: bool = False, stopping: int | None = None) -> bool:
+        """Record the latest numbers if the last write is old enough; True if written.
+
+        `boundary`: this worker stops at a step boundary when asked (the agent's drain
+        waits for it, see drain.py). `stopping`: the step at which the job agreed to
+        stop; written at once, whatever the rate limit, because the agent waits on it.
+        """
+        monotonic = time.monotonic()
+        if stopping is None and monotonic - self._written_at < self.min_interval_s:
+            return False
+        record = {"step": int(step), "samples": int(samples),
+                  "time": time.time() if now is None else now,
+                  "boundary": bool(boundary), "stopping": stopping}
+        if self._last is not None and record["step"] >= self._last["step"]:
+            record.update({f"prev_{k}": self._last[k] for k in ("step", "samples", "time")})
+        try:
+            # Readers see the old file or the new, never half. Not durable: rewritten
+            # every half second, and nobody reads it after a power loss.
+            write_atomic(self.path, json.dumps(record).encode(), durable=False)
+        except OSError:
+            return False  # progress is advisory: a full disk must not stop training
+        self._last, self._written_at = record, monotonic
+        return True
+
+    @property
+    def last(self) -> dict | None:
+        return self._last
 
 
 # ---- the environment ------------------------------------------------------------------

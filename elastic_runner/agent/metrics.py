@@ -27,7 +27,6 @@ Choices written down here:
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,57 +35,16 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from elastic_runner.contract import read_progress  # noqa: F401  (metrics' readers use it)
+# ProgressWriter lives in the contract (workers write the files without importing the
+# agent); re-exported for the metrics' readers, as read_progress is.
+from elastic_runner.contract import ProgressWriter, read_progress  # noqa: F401
 
 STALE_S = 10.0
 PAUSE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SAVE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
-# ---- progress files: written by workers, read by the collector -------------------
-@dataclass
-class ProgressWriter:
-    """One worker's progress file; writes at most once per `min_interval_s`.
-
-    Why rate-limited: `er.report()` is called every step, and a step can take
-    microseconds; the file only has to be fresh at scrape granularity.
-    """
-
-    path: Path
-    min_interval_s: float = 0.5
-    _last: dict | None = None
-    _written_at: float = float("-inf")
-
-    def write(self, step: int, samples: int, now: float | None = None, *,
-              boundary: bool = False, stopping: int | None = None) -> bool:
-        """Record the latest numbers if the last write is old enough; True if written.
-
-        `boundary`: this worker stops at a step boundary when asked (the agent's drain
-        waits for it, see drain.py). `stopping`: the step at which the job agreed to
-        stop; written at once, whatever the rate limit, because the agent waits on it.
-        """
-        monotonic = time.monotonic()
-        if stopping is None and monotonic - self._written_at < self.min_interval_s:
-            return False
-        record = {"step": int(step), "samples": int(samples),
-                  "time": time.time() if now is None else now,
-                  "boundary": bool(boundary), "stopping": stopping}
-        if self._last is not None and record["step"] >= self._last["step"]:
-            record.update({f"prev_{k}": self._last[k] for k in ("step", "samples", "time")})
-        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        try:
-            temp.write_text(json.dumps(record))
-            os.replace(temp, self.path)  # readers see the old file or the new, never half
-        except OSError:
-            return False  # progress is advisory: a full disk must not stop training
-        self._last, self._written_at = record, monotonic
-        return True
-
-    @property
-    def last(self) -> dict | None:
-        return self._last
-
-
+# ---- progress files: written by workers (contract.ProgressWriter), read here -----
 @dataclass(frozen=True)
 class Rates:
     steps_per_s: float

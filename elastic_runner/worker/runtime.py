@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,8 @@ from typing import Any, Mapping
 
 from elastic_runner.worker.checkpoint import checkpointer as _checkpoint
 from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
-from elastic_runner.contract import CHECKPOINT_RECORD, EXIT_FOR_RESIZE, WorkerEnv
+from elastic_runner.contract import CHECKPOINT_RECORD, EXIT_FOR_RESIZE, ProgressWriter, WorkerEnv
+from elastic_runner.files import write_atomic
 from elastic_runner.worker.step_boundary import StepBoundary
 
 log = logging.getLogger("elastic_runner.worker.runtime")
@@ -249,13 +249,11 @@ def stop_for_resize(context: Context, step: int) -> None:
 
 def _write_checkpoint_progress(folder: str, step: int, url: str, duration_s: float) -> None:
     """The agent's metrics read this for checkpoint age and save time (rank 0's node)."""
-    path = os.path.join(folder, CHECKPOINT_RECORD)
-    temporary = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # writer threads
+    record = {"step": step, "url": url, "time": time.time(), "duration_s": duration_s}
     try:
-        with open(temporary, "w") as handle:
-            json.dump({"step": step, "url": url, "time": time.time(),
-                       "duration_s": duration_s}, handle)
-        os.replace(temporary, path)
+        # Not durable: a metrics input, rewritten after every save.
+        write_atomic(os.path.join(folder, CHECKPOINT_RECORD), json.dumps(record).encode(),
+                     durable=False)
     except OSError as exc:
         log.debug("checkpoint progress not written: %s", exc)
 
@@ -413,8 +411,6 @@ def report(step: int, samples: int) -> None:
         context.boundary.write(step, samples)
         return
     if not _progress:
-        from elastic_runner.agent.metrics import ProgressWriter
-
         job = WorkerEnv.from_env(os.environ)
         writer = (ProgressWriter(Path(job.progress_dir) / f"rank{job.rank}.json")
                   if job.progress_dir else None)

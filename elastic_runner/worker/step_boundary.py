@@ -28,7 +28,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from elastic_runner.contract import progress_file
+from elastic_runner.contract import ProgressWriter, progress_file
 
 log = logging.getLogger("elastic_runner.worker.runtime")
 
@@ -42,8 +42,6 @@ class StepBoundary:
         self._notice_path = Path(notice_path) if notice_path else None
         self._writer = None
         if progress_dir:
-            from elastic_runner.agent.metrics import ProgressWriter
-
             self._writer = ProgressWriter(progress_file(Path(progress_dir), rank))
         self.active = False  # a sampler has reached a boundary in this process
         self.due_driven = False  # Checkpointer.due() agrees on stops (no sampler)

@@ -6,7 +6,8 @@ import json
 import subprocess
 import sys
 
-from elastic_runner.contract import EXIT_FOR_RESIZE, WorkerEnv, variable
+from elastic_runner.contract import (
+    EXIT_FOR_RESIZE, ProgressWriter, WorkerEnv, progress_file, read_progress, variable)
 from elastic_runner.rendezvous.failures import failure_message
 from elastic_runner.agent.workers import read_error_file, worker_env
 from tests.unit.test_workers import PLAN, envs
@@ -56,6 +57,41 @@ def test_each_worker_gets_its_own_error_file(tmp_path):
 
 def test_the_exit_code_for_a_resize_is_ex_tempfail():
     assert EXIT_FOR_RESIZE == 75
+
+
+# ---- progress files: the worker writes, the agent reads ---------------------------
+def test_progress_writer_records_what_read_progress_returns(tmp_path):
+    writer = ProgressWriter(progress_file(tmp_path, 3), min_interval_s=0)
+    assert writer.write(10, 320, now=100.0)
+    assert writer.write(12, 384, now=101.0, boundary=True)
+    (record,) = read_progress(tmp_path)
+    assert record == {"step": 12, "samples": 384, "time": 101.0, "boundary": True,
+                      "stopping": None, "prev_step": 10, "prev_samples": 320, "prev_time": 100.0}
+    assert writer.last == record
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank3.json"]  # no temporaries
+
+
+def test_progress_writer_is_rate_limited_except_for_an_agreed_stop(tmp_path):
+    writer = ProgressWriter(progress_file(tmp_path, 0), min_interval_s=3600)
+    assert writer.write(1, 1, now=1.0)
+    assert not writer.write(2, 2, now=2.0)
+    assert writer.write(3, 3, now=3.0, stopping=3)  # the agent waits on it: written at once
+    assert read_progress(tmp_path)[0]["stopping"] == 3
+
+
+def test_progress_writer_failure_is_advisory(tmp_path):
+    writer = ProgressWriter(tmp_path / "missing-dir" / "rank0.json", min_interval_s=0)
+    assert writer.write(1, 1) is False  # no exception: progress must not stop training
+    assert writer.last is None
+
+
+def test_the_worker_side_writes_progress_without_importing_the_agent():
+    probe = ("import sys, elastic_runner.worker.step_boundary, elastic_runner.contract; "
+             "print(sorted(m for m in sys.modules if m.startswith('elastic_runner.agent')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 RECORDED = """

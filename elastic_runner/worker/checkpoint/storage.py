@@ -8,8 +8,6 @@ only needs "write atomically", "list steps" and "hash a file".
 from __future__ import annotations
 
 import hashlib
-import logging
-import os
 import re
 import uuid
 from typing import Any, Mapping
@@ -17,20 +15,18 @@ from typing import Any, Mapping
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from elastic_runner import files
 from elastic_runner.errors import CheckpointError
 
-log = logging.getLogger("elastic_runner.worker.checkpoint.checkpointer")
-
 STEP_DIR = re.compile(r"^step-(\d+)$")
-TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{12}$")  # write_atomic's names, nothing else
-CHUNK = 8 << 20
+TEMPORARY = files.TEMPORARY  # write_atomic's names, nothing else
+CHUNK = files.CHUNK
 
 
 def _write_all(fileobj: Any, data: bytes) -> None:
-    """Write in chunks so a huge payload needs no second in-memory copy."""
-    view = memoryview(data)
-    for start in range(0, len(view), CHUNK):
-        fileobj.write(view[start : start + CHUNK])
+    """Every checkpoint byte goes through here, local or remote: one seam that the
+    fault-injection tests wrap (a full disk, a writer killed half-way)."""
+    files.write_chunks(fileobj, data)
 
 
 class Storage:
@@ -51,19 +47,20 @@ class Storage:
         return self.fs.unstrip_protocol(path)
 
     def write_atomic(self, path: str, data: bytes) -> None:
-        """Readers see the old file or the whole new one, never a prefix."""
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        """Readers see the old file or the whole new one, never a prefix.
+
+        Locally: the shared durable write (fsync, rename, fsync of the directory).
+        Elsewhere: upload to a temporary name, then move it; an upload only appears
+        once complete, and the temporary's name is one remove_temporaries finds.
+        """
+        if self.local:
+            files.write_atomic(path, data, durable=True, write=_write_all)
+            return
+        tmp = files.temporary_name(path)
         try:
-            if self.local:
-                with open(tmp, "wb") as f:
-                    _write_all(f, data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            else:  # object stores: an upload only appears once complete
-                with self.fs.open(tmp, "wb") as f:
-                    _write_all(f, data)
-                self.fs.mv(tmp, path)
+            with self.fs.open(tmp, "wb") as f:
+                _write_all(f, data)
+            self.fs.mv(tmp, path)
         except BaseException:
             self.discard(tmp)
             raise
@@ -91,16 +88,8 @@ class Storage:
 
     def sync_dir(self, path: str) -> None:
         """Make renames durable; only meaningful (and possible) locally."""
-        if not self.local:
-            return
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            log.debug("fsync of directory %s failed: %s", path, exc)
+        if self.local:
+            files.fsync_dir(path)
 
     def hash_file(self, path: str) -> tuple[int, str]:
         digest, size = hashlib.sha256(), 0
