@@ -12,7 +12,9 @@ Choices written down here:
   `_RECHECK_S`), so a watch stream that broke silently costs at most one slice.
 - `add` and `compare_set` are etcd transactions guarded by the key's mod revision
   (or its absence), so concurrent agents never lose an update; `add` retries a
-  lost race until the store timeout: every lost race means another add won.
+  lost race (tenacity, at once, bounded by the store timeout, then DistStoreError):
+  every lost race means another add won. The blocking reads' sliced wait is not a
+  retry of a failed call but a watch with a periodic re-read; it stays a plain loop.
 - Values are bytes; str values are UTF-8 encoded like c10d does. Counters are
   decimal strings, as in every c10d store, so `get` of an `add` key reads b"5".
 - Timeouts raise torch's DistStoreError and etcd failures DistNetworkError:
@@ -30,6 +32,7 @@ import time
 from datetime import timedelta
 from typing import Callable, Iterable, TypeVar
 
+from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay
 from torch.distributed import DistNetworkError, DistStoreError, Store
 
 from elastic_runner.errors import EtcdError
@@ -92,17 +95,30 @@ class EtcdStore(Store):
 
     @_etcd_errors_as_torch
     def add(self, key: str, amount: int) -> int:
-        full = self._key(key)
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        while True:
-            kv = self._client.get(full)
-            new = (int(kv.value) if kv else 0) + amount
-            guard = mod_revision_is(full, kv.mod_revision) if kv else key_missing(full)
-            if self._client.txn([guard], [Put(full, str(new).encode())]).succeeded:
-                return new
-            if time.monotonic() >= deadline:
-                raise DistStoreError(f"EtcdStore.add({key!r}) kept losing races for "
-                                     f"{self.timeout.total_seconds():g} s")
+        """Add to a counter; a lost race is retried at once until the store timeout.
+
+        No pause between tries: each lost race means another add won, so the counter
+        moves on. etcd failures are not retried here (the client already retried
+        them); they propagate as they are.
+        """
+        timeout_s = self.timeout.total_seconds()
+        retrying = Retrying(stop=stop_after_delay(timeout_s),
+                            retry=retry_if_result(lambda new: new is None))
+        try:
+            return retrying(self._add_once, self._key(key), amount)
+        except RetryError:
+            raise DistStoreError(f"EtcdStore.add({key!r}) kept losing races for "
+                                 f"{timeout_s:g} s") from None
+
+    def _add_once(self, full: str, amount: int) -> int | None:
+        """One read-add-write guarded by the key's mod revision: the new value, or
+        None when another writer changed the key in between."""
+        kv = self._client.get(full)
+        new = (int(kv.value) if kv else 0) + amount
+        guard = mod_revision_is(full, kv.mod_revision) if kv else key_missing(full)
+        if self._client.txn([guard], [Put(full, str(new).encode())]).succeeded:
+            return new
+        return None
 
     @_etcd_errors_as_torch
     def compare_set(self, key: str, expected_value, desired_value) -> bytes:
