@@ -44,6 +44,10 @@ class EtcdAuthError(EtcdError):
     """etcd refused our credentials."""
 
 
+class LeaseNotFound(EtcdError):
+    """A request named a lease etcd no longer has (it expired or was revoked)."""
+
+
 class RendezvousError(ElasticRunError):
     """The rendezvous could not produce a plan this node can act on."""
 

@@ -26,7 +26,9 @@ from pyetcd import etcdrpc  # noqa: E402
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from elastic_runner.config import EtcdConfig
-from elastic_runner.errors import ConfigError, EtcdAuthError, EtcdError, EtcdUnavailable
+from elastic_runner.errors import (
+    ConfigError, EtcdAuthError, EtcdError, EtcdUnavailable, LeaseNotFound,
+)
 from elastic_runner.etcd.endpoints import parse_endpoint
 from elastic_runner.etcd.tls import tls_problem
 
@@ -183,6 +185,10 @@ class EtcdClient:
                 "and TLS flags"
             )
         detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc) or type(exc).__name__
+        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in (detail or ""):
+            # By code and text: NOT_FOUND also answers for other missing things (members).
+            return LeaseNotFound(f"etcd at {self._endpoint_text} no longer has the lease "
+                                 f"named in {what}: {detail}")
         return EtcdError(f"etcd at {self._endpoint_text} answered {what} with an error: {detail}")
 
     def _tls_problem(self) -> tuple[str, str] | None:
@@ -291,9 +297,8 @@ class EtcdClient:
     def revoke_lease(self, lease_id: int, deadline_s: float | None = None) -> None:
         try:
             self._retrying(lambda: self._client.revoke_lease(lease_id), "a lease revoke", deadline_s)
-        except EtcdError as exc:
-            if "not found" not in str(exc):
-                raise
+        except LeaseNotFound:
+            pass  # expired or revoked already: what a revoke wants
 
     def lease_remaining(self, lease_id: int) -> int:
         return self._retrying(lambda: self._client.get_lease_info(lease_id), "a lease query").TTL

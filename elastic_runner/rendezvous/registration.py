@@ -21,9 +21,11 @@ import os
 import socket
 from typing import Callable
 
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
+
 from elastic_runner.config import OLDER_SCHEMA_PREFIXES, RendezvousConfig
 from elastic_runner.errors import (
-    DuplicateNodeId, EtcdAuthError, EtcdError, SchemaMismatch, SpecMismatch,
+    DuplicateNodeId, EtcdAuthError, EtcdError, LeaseNotFound, SchemaMismatch, SpecMismatch,
 )
 from elastic_runner.etcd.client import EtcdClient, KeyValue
 from elastic_runner.etcd.lease import KeptLease
@@ -82,25 +84,37 @@ def take_lease(client: EtcdClient, config: RendezvousConfig, mirror: PrefixMirro
     """Grant a lease and create this node's key under it.
 
     A lease can expire between the grant and the create when this process is
-    starved of CPU for longer than the TTL; one retry with a fresh lease turns
+    starved of CPU for longer than the TTL; a retry with a fresh lease turns
     that into a delay instead of a crash. `mirror` must be started.
 
     Raises:
         DuplicateNodeId: a live agent of this run holds our --node-id.
+        LeaseNotFound: every one of `attempts` fresh leases expired before the create.
     """
-    for attempt in range(attempts):
-        lease = KeptLease(client, config.lease_ttl_s, on_lost=on_lost)
-        try:
-            claim(client, config, mirror, record, lease.id)
-            return lease
-        except DuplicateNodeId:
-            lease.revoke()
-            raise
-        except EtcdError as exc:
-            lease.stop()
-            if "lease not found" not in str(exc) or attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
+    retrying = Retrying(retry=retry_if_exception_type(LeaseNotFound),
+                        stop=stop_after_attempt(attempts), reraise=True)
+    try:
+        return retrying(_claim_under_new_lease, client, config, mirror, record, on_lost)
+    except LeaseNotFound as exc:
+        raise LeaseNotFound(
+            f"node {config.node_id!r} could not register: {attempts} fresh leases expired "
+            f"before its key was written ({exc}); the agent is starved of CPU or etcd is "
+            f"slower than --lease-ttl {config.lease_ttl_s:g} s: give it more CPU or a longer "
+            "--lease-ttl") from exc
+
+
+def _claim_under_new_lease(client: EtcdClient, config: RendezvousConfig, mirror: PrefixMirror,
+                           record: bytes, on_lost: Callable[[], None]) -> KeptLease:
+    lease = KeptLease(client, config.lease_ttl_s, on_lost=on_lost)
+    try:
+        claim(client, config, mirror, record, lease.id)
+        return lease
+    except DuplicateNodeId:
+        lease.revoke()
+        raise
+    except EtcdError:
+        lease.stop()
+        raise
 
 
 def claim(client: EtcdClient, config: RendezvousConfig, mirror: PrefixMirror, record: bytes,

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from elastic_runner.config import EtcdConfig
-from elastic_runner.errors import EtcdUnavailable
+from elastic_runner.errors import EtcdError, EtcdUnavailable, LeaseNotFound
 from elastic_runner.etcd.client import Delete, EtcdClient, Put, key_missing, mod_revision_is
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
@@ -46,6 +46,21 @@ def test_lease_revoke_deletes_keys_and_expiry_is_reported(etcd_any_version):
     assert client.refresh_lease(orphan, deadline_s=2.0) > 0
     client.revoke_lease(orphan)
     assert client.refresh_lease(orphan, deadline_s=2.0) <= 0
+    client.close()
+
+
+def test_a_gone_lease_is_a_typed_error_and_revoking_it_again_is_quiet(etcd_any_version):
+    """Registration retries on LeaseNotFound (registration.take_lease): by type, not text."""
+    client = make_client(etcd_any_version.endpoint)
+    gone = client.grant_lease(5)
+    client.revoke_lease(gone)
+    client.revoke_lease(gone)  # already gone: nothing to do, no error
+    for write in (lambda: client.put("/g/k", b"x", lease=gone),
+                  lambda: client.create_if_absent("/g/k", b"x", lease=gone)):
+        with pytest.raises(LeaseNotFound) as caught:
+            write()
+        assert isinstance(caught.value, EtcdError) and "lease" in str(caught.value)
+    assert client.get("/g/k") is None
     client.close()
 
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from elastic_runner.config import EtcdConfig, RendezvousConfig
-from elastic_runner.errors import DuplicateNodeId, exit_code_for
+from elastic_runner.errors import DuplicateNodeId, LeaseNotFound, exit_code_for
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous import registration
@@ -95,6 +95,36 @@ def test_a_create_retried_after_a_lost_answer_finds_its_own_key(agent):
     record = registration.node_record(rdzv._config, time.time)
     registration.claim(rdzv._client, rdzv._config, rdzv.mirror, record, rdzv.lease.id)
     assert holder_lease(rdzv) == rdzv.lease.id
+
+
+def lease_expires_before_the_first(times: int, monkeypatch) -> list[int]:
+    """Make registration's first `times` creates find their fresh lease gone, as when
+    the agent is starved of CPU past the TTL between the grant and the create."""
+    real, leases = registration.claim, []
+
+    def claim(client, config, mirror, record, lease_id):
+        leases.append(lease_id)
+        if len(leases) <= times:
+            client.revoke_lease(lease_id)
+        return real(client, config, mirror, record, lease_id)
+    monkeypatch.setattr(registration, "claim", claim)
+    return leases
+
+
+def test_a_lease_gone_before_the_create_is_retried_with_a_fresh_one(agent, monkeypatch):
+    leases = lease_expires_before_the_first(1, monkeypatch)
+    rdzv = agent("starved", "a")
+    rdzv.register()
+    assert len(set(leases)) == 2 and holder_lease(rdzv) == rdzv.lease.id == leases[-1]
+
+
+def test_registration_gives_up_with_a_typed_error_after_its_attempts(agent, monkeypatch):
+    leases = lease_expires_before_the_first(5, monkeypatch)
+    rdzv = agent("starving", "a")
+    with pytest.raises(LeaseNotFound, match="--lease-ttl") as caught:
+        rdzv.register()
+    assert len(leases) == 2 and exit_code_for(caught.value) == 4
+    assert holder_lease(rdzv) is None
 
 
 # ---- item 6: decisions on each agent's own clock -----------------------------------
