@@ -40,7 +40,9 @@ from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.events import EVENTS_FILE, EventLog
 from elastic_runner.rendezvous.failures import describe_exit, failure_message
 from elastic_runner.rendezvous.engine import EtcdRendezvous
-from elastic_runner.rendezvous.protocol import FINISHED, JobSpec, Plan, plan_problem
+from elastic_runner.rendezvous.protocol import (
+    FINISHED, Cause, CauseKind, JobSpec, Plan, plan_problem,
+)
 from elastic_runner.agent.workers import WorkerExit, WorkerGroup
 
 log = logging.getLogger("elastic_runner")
@@ -54,7 +56,7 @@ ETCD_RETRY_S = 0.5
 @dataclass(frozen=True)
 class Outcome:
     kind: str
-    reason: str = ""
+    reason: Cause | None = None  # CHANGED: why the plan stopped holding
     failure: WorkerExit | None = None
 
 
@@ -160,10 +162,11 @@ class Agent:
 
     def _rounds(self) -> int:
         previous: Plan | None = None
-        cause, paused_at = "start", time.monotonic()
+        cause, paused_at = Cause(CauseKind.START), time.monotonic()
         while True:
             try:
-                plan = self.rendezvous.next_plan(previous, cause)
+                # The rendezvous port takes the cause as the text a round records.
+                plan = self.rendezvous.next_plan(previous, cause.text())
             except EtcdUnavailable as exc:
                 self._wait_for_etcd(exc)
                 continue
@@ -178,7 +181,7 @@ class Agent:
             except EtcdUnavailable as exc:
                 group.stop(self._config.workers.stop_grace_s)
                 self._wait_for_etcd(exc)
-                cause = "etcd outage"
+                cause = Cause(CauseKind.ETCD_OUTAGE)
             finally:
                 self._password_file.unlink(missing_ok=True)
             previous = plan
@@ -193,16 +196,17 @@ class Agent:
         log.info("workers finished: all %d exited 0", len(group.pids))
         return 0
 
-    def _wind_down(self, outcome: Outcome, group: WorkerGroup, plan: Plan) -> str:
+    def _wind_down(self, outcome: Outcome, group: WorkerGroup, plan: Plan) -> Cause:
         """Stop this round's workers; return why, for the next round's record."""
         if outcome.kind == FAILED:
             group.stop(self._config.workers.stop_grace_s)
             return self._record_failure(plan, outcome.failure)
         cause = outcome.reason
-        kind = "member_lost" if cause.startswith("member") else "membership_changed"
-        self.events.emit(kind, round=plan.round, reason=cause)
+        lost = cause.kind is CauseKind.MEMBER_LOST
+        self.events.emit("member_lost" if lost else "membership_changed", round=plan.round,
+                         reason=cause.text())
         log.info("membership changed: %s; stopping workers and re-forming", cause)
-        if "newcomer" in cause:
+        if cause.kind is CauseKind.NEWCOMER:
             self._drain(group, "a node joins")
         group.stop(self._config.workers.stop_grace_s)
         return cause
@@ -287,10 +291,11 @@ class Agent:
             if failure is not None:
                 return Outcome(FAILED, failure=failure)
             if group.stopped_for_resize():
-                return Outcome(CHANGED, "workers checkpointed and stopped for a spot notice")
+                return Outcome(CHANGED, Cause(CauseKind.NOTICE))
             reason = self.rendezvous.change_reason(plan)
-            if reason:
-                return Outcome(CHANGED, reason)
+            if reason:  # a Cause; text from a rendezvous that still answers text is parsed
+                return Outcome(CHANGED, reason if isinstance(reason, Cause)
+                               else Cause.parse(reason))
             self._relay_notices(plan)
             self.rendezvous.wait_for_change(self._config.workers.monitor_interval_s, marker)
 
@@ -309,7 +314,7 @@ class Agent:
             raise EtcdUnavailable(f"no answer from etcd for {silent:.0f} s "
                                   f"(grace {self._etcd_grace_s:.0f} s)")
 
-    def _record_failure(self, plan: Plan, failure: WorkerExit) -> str:
+    def _record_failure(self, plan: Plan, failure: WorkerExit) -> Cause:
         record = failure.as_failure(self._rdzv_config.node_id)
         self.events.emit("worker_exited", round=plan.round, rank=failure.rank,
                          exit_code=failure.exit_code, signal=failure.signal_name)
@@ -319,7 +324,8 @@ class Agent:
             # The others already finished: nothing to restart, this node just failed.
             raise WorkerFailure(failure_message(record, self._config.max_restarts))
         self.rendezvous.report_failure(plan.round, record)
-        return f"worker-failure: rank {failure.rank} on {self._rdzv_config.node_id}"
+        return Cause(CauseKind.WORKER_FAILURE,
+                     f"rank {failure.rank} on {self._rdzv_config.node_id}")
 
     # ---- spot notice ------------------------------------------------------------
     def _notice_received(self, plan: Plan) -> bool:

@@ -38,6 +38,7 @@ from prometheus_client.core import GaugeMetricFamily
 # ProgressWriter lives in the contract (workers write the files without importing the
 # agent); re-exported for the metrics' readers, as read_progress is.
 from elastic_runner.contract import ProgressWriter, read_progress  # noqa: F401
+from elastic_runner.rendezvous.protocol import Cause, CauseKind
 
 STALE_S = 10.0
 PAUSE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -111,14 +112,18 @@ class CheckpointCollector:
 
 # ---- membership metrics from the agent's events ----------------------------------
 def restart_cause(text: str) -> str:
-    """A small, fixed label set from a free-text round cause (labels must not explode)."""
-    lowered = text.lower()
-    for needle, label in (("notice", "notice"), ("newcomer", "newcomer"),
-                          ("member", "member-lost"), ("lease", "member-lost"),
-                          ("failure", "worker-failure")):
-        if needle in lowered:
-            return label
-    return "other"
+    """A small, fixed label set from a round's recorded cause (labels must not explode).
+
+    By the cause's kind, not by words in its text: a node id such as 'newcomer-3'
+    in "member-lost: newcomer-3" must not make a lost member count as a newcomer.
+    """
+    kind = Cause.parse(text).kind
+    return _RESTART_LABELS.get(kind, "other")
+
+
+_RESTART_LABELS = {CauseKind.NOTICE: "notice", CauseKind.NEWCOMER: "newcomer",
+                   CauseKind.MEMBER_LOST: "member-lost", CauseKind.LEASE_EXPIRED: "member-lost",
+                   CauseKind.WORKER_FAILURE: "worker-failure"}
 
 
 class MetricsServer:

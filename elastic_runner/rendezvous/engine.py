@@ -6,6 +6,10 @@ something is a transaction: joining compares the round's mod revision, so nobody
 joins a round after it closed; closing compares it too and writes the plan and
 the closed state together, so racing closers agree on one plan.
 
+This module only reads (its copy of etcd), asks, and writes: what to do next is
+decided by pure functions (decisions.py, on protocol.py's rules) from plain
+values read here and the time, so those decisions are tested without etcd.
+
 Clocks are injected (`clock`: monotonic, for every decision; `wall_clock`: only
 for records people read) so a test can run agents whose clocks disagree, as
 those of different machines do. No decision compares a time written by another
@@ -14,6 +18,7 @@ agent: "quiet for S seconds" is measured from when this agent saw the event.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -29,6 +34,7 @@ from elastic_runner.etcd.client import EtcdClient, Put, key_missing, mod_revisio
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
 from elastic_runner.etcd.server import free_port
+from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous import registration
 from elastic_runner.rendezvous.failures import failure_message
@@ -53,17 +59,6 @@ class RoundView:
     mod_revision: int
 
 
-@dataclass(frozen=True)
-class _OpenRoundLook:
-    """What the last full evaluation of an open round saw (counts, not keys)."""
-
-    number: int
-    joined: int
-    departures: int
-    min_met: bool
-    recheck_at: float
-
-
 class EtcdRendezvous:
     def __init__(self, client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
                  max_restarts: int, clock: Callable[[], float] = time.monotonic,
@@ -76,6 +71,9 @@ class EtcdRendezvous:
         self._wall_clock = wall_clock
         self.prefix = config.prefix
         self.node_id = config.node_id
+        self._rules = d.RoundRules(config.min_nodes, config.max_nodes, config.min_workers,
+                                   config.max_workers, config.settle_s, config.settle_max_s,
+                                   config.drain_timeout_s)
         self.mirror = PrefixMirror(client, self.prefix, ignore=p.is_passive_key, clock=clock)
         self.newcomers = Newcomers(self.mirror, config, clock)
         self.lease: KeptLease | None = None
@@ -85,8 +83,7 @@ class EtcdRendezvous:
         # Parsed values by key, valid while the key's mod revision is unchanged.
         self._decoded: dict[str, tuple[int, object]] = {}
         self._newest_round_seen = -1
-        self._last_look: _OpenRoundLook | None = None
-        self._first_joiner: dict[int, str] = {}
+        self._last_look: d.LastLook | None = None
         self._closable_since: dict[int, float] = {}
         self._lagging_since: dict[int, float] = {}
         self._members_checked: tuple[int, int] | None = None
@@ -178,8 +175,8 @@ class EtcdRendezvous:
                  and (p.round_of(key[len(self.prefix):]) or number) < number - 1]
         for key in stale:
             del self._decoded[key]
-        for per_round in (self._min_met_at, self._opened_at, self._first_joiner,
-                          self._closable_since, self._lagging_since):
+        for per_round in (self._min_met_at, self._opened_at, self._closable_since,
+                          self._lagging_since):
             for old in [n for n in per_round if n < number - 1]:
                 del per_round[old]
 
@@ -192,8 +189,8 @@ class EtcdRendezvous:
                                   timeout_s=self._config.write_visible_timeout_s)
         return result.succeeded
 
-    def open_next(self, seen: RoundView, cause: str) -> bool:
-        return self._cas_round(seen, p.RoundState(seen.state.number + 1, p.OPEN, cause))
+    def open_next(self, seen: RoundView, cause: p.Cause) -> bool:
+        return self._cas_round(seen, p.RoundState(seen.state.number + 1, p.OPEN, cause.text()))
 
     def _join(self, seen: RoundView) -> None:
         port = self._config.master_port or free_port(self._config.node_addr)
@@ -233,17 +230,22 @@ class EtcdRendezvous:
     def finish(self, plan: p.Plan) -> None:
         seen = self.current_round()
         if seen and seen.state.number == plan.round and seen.state.state == p.CLOSED:
-            self._cas_round(seen, p.RoundState(plan.round, p.FINISHED, "workers succeeded"))
+            self._cas_round(seen, p.RoundState(plan.round, p.FINISHED,
+                                               p.Cause(p.CauseKind.FINISHED).text()))
 
     # ---- the round loop ---------------------------------------------------------
-    def next_plan(self, previous: p.Plan | None, cause: str) -> p.Plan:
+    def next_plan(self, previous: p.Plan | None, cause: p.Cause | str) -> p.Plan:
         """Block until a closed round includes this node; return its plan.
+
+        `cause` is what a round opened by this node records; text (torchrun's
+        plug-in, a caller of an older version) is parsed.
 
         Raises:
             RendezvousTimeout: fewer than --min-nodes joined within --join-timeout.
             RunFinished / WorkerFailure: the run ended while we waited.
             ShutdownRequested: `shutdown` was set (SIGTERM/SIGINT).
         """
+        cause = cause if isinstance(cause, p.Cause) else p.Cause.parse(cause)
         deadline = self._clock() + self._config.join_timeout_s
         while True:
             if self.shutdown.is_set():
@@ -258,37 +260,40 @@ class EtcdRendezvous:
                 live = self.mirror.census(p.nodes_prefix(self.prefix))[0]
                 time.sleep(min(MAX_BATCH_S, BATCH_S_PER_NODE * live))
 
-    def _step(self, previous: p.Plan | None, cause: str, deadline: float):
+    def _step(self, previous: p.Plan | None, cause: p.Cause, deadline: float):
         """One evaluation: return a Plan, a wait in seconds, or None to re-evaluate now."""
         seen = self.current_round()
-        if seen is None:
-            self._cas_round(None, p.RoundState(0, p.OPEN, "start"))
-            return None
-        state = seen.state
-        if state.state == p.FINISHED:
+        action = d.round_action(seen.state if seen else None,
+                                previous.round if previous else None, cause)
+        if action.act is d.Act.CREATE_FIRST:
+            self._cas_round(None, p.RoundState(0, p.OPEN, action.cause.text()))
+        elif action.act is d.Act.RUN_FINISHED:
             raise RunFinished(f"run {self._config.run_id!r} already finished; "
                               "pass a new --run-id to start it again")
-        if state.state == p.FAILED:
-            raise WorkerFailure(state.detail)
-        if previous is not None and state.number <= previous.round:
-            self.open_next(seen, cause)
-            return None
-        if state.number > self._newest_round_seen:
-            self._newest_round_seen = state.number
-            self._forget_rounds_before(state.number)
-        if state.state == p.OPEN:
-            return self._in_open_round(seen, deadline)
-        plan = self.plan(state.number)
+        elif action.act is d.Act.RUN_FAILED:
+            raise WorkerFailure(seen.state.detail)
+        elif action.act is d.Act.OPEN_NEXT:
+            self.open_next(seen, action.cause)
+        else:
+            if seen.state.number > self._newest_round_seen:
+                self._newest_round_seen = seen.state.number
+                self._forget_rounds_before(seen.state.number)
+            if action.act is d.Act.IN_OPEN_ROUND:
+                return self._in_open_round(seen, deadline)
+            return self._in_closed_round(seen)
+        return None
+
+    def _in_closed_round(self, seen: RoundView):
+        plan = self.plan(seen.state.number)
         if plan is None:
             return 0.1  # our copy lags the closing transaction by a moment
         if plan.member(self.node_id):
             return plan
-        if not self.newcomers.has_room(plan, self._config.nproc):
-            return 1.0  # standby: the run is full; a leaving member opens a round
-        wait = self.newcomers.own_wait()
-        if wait > 0:
-            return wait  # the plan's first member usually opens it sooner (newcomers.py)
-        self.open_next(seen, "newcomer")
+        room = self.newcomers.has_room(plan, self._config.nproc)
+        action = d.outsider_action(room, self.newcomers.own_wait() if room else 0.0)
+        if action.act is d.Act.WAIT:
+            return action.wait_s
+        self.open_next(seen, action.cause)
         return None
 
     def _in_open_round(self, seen: RoundView, deadline: float):
@@ -299,33 +304,38 @@ class EtcdRendezvous:
         wait = self._wait_without_looking(number)
         if wait is not None:
             return wait
-        inputs, timers, previous = self._look_at_open_round(number, deadline)
+        look, previous, closer = self._look_at_open_round(number, deadline)
         now = self._clock()
+        inputs, timers = d.close_inputs(look, now, self._rules)
+        waits = [w for w in timers if w > 0]
         if p.may_close(inputs):
-            backup_left = self._backup_closer_wait(number, now)
-            if backup_left > 0:
-                timers.append(backup_left)
-            elif inputs.joined < self._config.max_nodes and self._copy_lags(number):
+            closable_since = (now if closer == self.node_id
+                              else self._closable_since.setdefault(number, now))
+            backup = d.closer_wait(self.node_id, closer, closable_since, now,
+                                   self._config.settle_s)
+            step = d.close_step(backup, inputs.joined, self._config.max_nodes)
+            if step is d.CloseStep.WAIT:
+                waits.append(backup)
+            elif step is d.CloseStep.VERIFY_COPY and self._copy_lags(number):
                 return 0.2
             else:
                 self._close(seen, self._joiners(number), previous)
                 return None
-        waits = [w for w in timers if w > 0]
-        self._last_look = _OpenRoundLook(
+        self._last_look = d.LastLook(
             number, inputs.joined, self.mirror.census(p.nodes_prefix(self.prefix))[1],
-            number in self._min_met_at, now + min(waits, default=float("inf")))
+            look.min_met_at is not None, now + min(waits, default=float("inf")))
         return min(waits + [1.0])
 
     def _look_at_open_round(self, number: int, deadline: float):
-        """Read our copy once: the close rule's inputs and the timers that can change them."""
-        joiner_kvs = self.mirror.children(p.join_prefix(self.prefix, number))
-        joined = {p.node_id_from_key(kv.key) for kv in joiner_kvs}
+        """Read our copy once: the open round as values, its previous plan, its closer."""
+        joins = self.mirror.children(p.join_prefix(self.prefix, number))
+        joined = frozenset(p.node_id_from_key(kv.key) for kv in joins)
         # Parsing every join record is only needed to count workers (and to close).
         workers = (sum(j.nproc for j in self._joiners(number))
                    if self._config.min_workers or self._config.max_workers else len(joined))
         now = self._clock()
         opened_at = self._opened_at.setdefault(number, now)
-        if len(joined) >= self._config.min_nodes and workers >= self._config.min_workers:
+        if d.minimum_met(len(joined), workers, self._rules):
             self._min_met_at.setdefault(number, now)
         elif now >= deadline:
             raise RendezvousTimeout(
@@ -334,40 +344,11 @@ class EtcdRendezvous:
                 f"{self._config.join_timeout_s:g} s; start more nodes or lower --min-nodes"
             )
         previous = self.plan(number - 1) if number > 0 else None
-        registered = self.newcomers.registered()
-        live = set(registered)
-        self._first_joiner[number] = min(joiner_kvs, key=lambda kv: kv.create_revision).key
-        min_met = self._min_met_at.get(number)
-        settle_left = None if min_met is None else p.settle_remaining(
-            now, min_met, max(registered.values(), default=min_met), self._config.settle_s,
-            self._config.settle_max_s, live_unjoined=not live <= joined)
-        drain_left = opened_at + self._config.drain_timeout_s - now
-        inputs = p.CloseInputs(
-            joined=len(joined), min_nodes=self._config.min_nodes,
-            max_nodes=self._config.max_nodes, workers=workers,
-            min_workers=self._config.min_workers, max_workers=self._config.max_workers,
-            all_live_joined=live <= joined,
-            first_round=previous is None,
-            settle_elapsed=settle_left is not None and settle_left <= 0,
-            members_draining=bool(previous) and bool(
-                (set(previous.node_ids) & live) - joined) and drain_left > 0,
-        )
-        timers = [w for w in (deadline - now, drain_left, settle_left) if w is not None]
-        return inputs, timers, previous
-
-    def _backup_closer_wait(self, number: int, now: float) -> float:
-        """Seconds before this agent may close a closable round; 0 for the first joiner.
-
-        Only one transaction can close a round; with every agent trying at once, a
-        thousand agents sent a thousand doomed transactions (and read etcd's counts
-        a thousand times) per round. The round's first joiner closes it; the others
-        step in after --settle in case it is slow or hung (a dead one loses its join
-        key with its lease, and the next joiner becomes the first).
-        """
-        if self._first_joiner.get(number) == p.join_key(self.prefix, number, self.node_id):
-            return 0.0
-        closable_since = self._closable_since.setdefault(number, now)
-        return closable_since + self._config.settle_s - now
+        look = d.RoundLook(joined, workers, self.newcomers.registered(),
+                           previous.node_ids if previous else None,
+                           self._min_met_at.get(number), opened_at, deadline)
+        closer = d.elect_closer((p.node_id_from_key(kv.key), kv.create_revision) for kv in joins)
+        return look, previous, closer
 
     def _copy_lags(self, number: int) -> bool:
         """Before closing, check our copy against etcd's counts of joiners and nodes.
@@ -392,83 +373,67 @@ class EtcdRendezvous:
         return True
 
     def _wait_without_looking(self, number: int) -> float | None:
-        """Seconds to wait on when nothing since the last evaluation can close the round.
-
-        While hundreds of nodes join, every join wakes every agent; re-reading all
-        joiners each time made a round cost O(N^3) work in all. Counts rule most
-        wake-ups out: the round can only close once the joiners reach the live
-        nodes or --max-nodes, when a node leaves, when the minimum is first met
-        (or --max-workers may be reached), or when a timer runs out.
-        """
-        look = self._last_look
-        if look is None or look.number != number:
-            return None
+        """Counts of our copy against the last look (decisions.wait_without_looking)."""
         joined, _ = self.mirror.census(p.join_prefix(self.prefix, number))
         live, departures = self.mirror.census(p.nodes_prefix(self.prefix))
-        left = look.recheck_at - self._clock()
-        if left <= 0 or departures != look.departures or joined >= live or \
-                joined >= self._config.max_nodes:
-            return None
-        if joined != look.joined and (not look.min_met or self._config.max_workers):
-            return None
-        return min(left, 1.0)
+        return d.wait_without_looking(self._last_look, number, joined, live, departures,
+                                      self._clock(), self._rules)
 
     def _close(self, seen: RoundView, joiners: list[p.Joiner], previous: p.Plan | None) -> None:
+        """Write the plan, or fail the job when this round would exceed --max-restarts."""
         number = seen.state.number
         order = p.rank_order(previous.node_ids if previous else (), joiners,
                              self._config.rank0_prefer)
-        plan = p.build_plan(number, order, self._config.max_nodes,
-                            previous.restart_count if previous else 0, seen.state.cause,
+        plan = p.build_plan(number, order, self._config.max_nodes, 0, seen.state.cause,
                             self._config.max_workers)
         failure = self.mirror.get(p.failure_key(self.prefix, number - 1))
-        if previous and p.counts_as_restart(failure is not None, previous.node_ids, plan.node_ids):
-            plan = p.Plan(plan.round, plan.members, plan.master_addr, plan.master_port,
-                          plan.restart_count + 1, plan.cause)
-            if plan.restart_count > self._max_restarts:
-                detail = failure_message(json.loads(failure.value), self._max_restarts)
-                self._cas_round(seen, p.RoundState(number, p.FAILED, "worker-failure", detail))
-                return
+        verdict = d.restart_verdict(previous, failure is not None, plan.node_ids,
+                                    self._max_restarts)
+        if verdict.exhausted:
+            detail = failure_message(json.loads(failure.value), self._max_restarts)
+            cause = p.Cause(p.CauseKind.WORKER_FAILURE).text()
+            self._cas_round(seen, p.RoundState(number, p.FAILED, cause, detail))
+            return
+        plan = dataclasses.replace(plan, restart_count=verdict.restart_count)
         self._cas_round(seen, p.RoundState(number, p.CLOSED, seen.state.cause),
                         Put(p.plan_key(self.prefix, number), plan.to_json()))
 
     # ---- while workers run ------------------------------------------------------
-    def change_reason(self, plan: p.Plan) -> str | None:
+    def change_reason(self, plan: p.Plan) -> p.Cause | None:
         """Why the workers of `plan` must stop, or None while the plan still holds."""
         seen = self.current_round()
-        if self.lease.lost.is_set():
-            return "this node's lease expired"
-        if seen is None or seen.state.number > plan.round:
-            cause = seen.state.cause if seen else "round key deleted"
-            return f"round {seen.state.number if seen else '?'} opened ({cause})"
-        if seen.state.state == p.FAILED:
-            return "the job failed"
-        if seen.state.state == p.FINISHED:
+        change = d.plan_change(plan.round, seen.state if seen else None,
+                               self.lease.lost.is_set())
+        if change is d.Watch.HOLDS:
             return None
+        if change is not d.Watch.MEMBERS:
+            return change
         departures = self.mirror.census(p.nodes_prefix(self.prefix))[1]
         # Skipped while no node key was deleted since every member was seen live.
         if self._members_checked != (plan.round, departures):
-            live = self._live_nodes()
-            lost = [node for node in plan.node_ids if node not in live]
+            lost = d.lost_members(plan, self._live_nodes())
             if lost:
                 lost = self._confirm_lost(lost)
             if lost:
-                self.open_next(seen, f"member-lost: {','.join(lost)}")
-                return f"member(s) lost: {', '.join(lost)}"
+                cause = p.Cause.member_lost(lost)
+                self.open_next(seen, cause)
+                return cause
             self._members_checked = (plan.round, departures)
         return self._open_for_newcomers(seen, plan)
 
-    def _open_for_newcomers(self, seen: RoundView, plan: p.Plan) -> str | None:
+    def _open_for_newcomers(self, seen: RoundView, plan: p.Plan) -> p.Cause | None:
         """The plan's first member opens the next round once a newcomer is due.
 
         It saw the newcomers register, so it tells a lone arrival (at once) from
         a burst (after the settle quiet) on its own clock; see newcomers.py.
         """
         wait = self.newcomers.members_wait(plan)
-        if wait is None or wait > 0 or not self.open_next(seen, "newcomer"):
+        cause = p.Cause(p.CauseKind.NEWCOMER)
+        if wait is None or wait > 0 or not self.open_next(seen, cause):
             return None
-        return f"round {plan.round + 1} opened (newcomer)"
+        return cause
 
-    def _confirm_lost(self, lost: list[str]) -> list[str]:
+    def _confirm_lost(self, lost: tuple[str, ...]) -> tuple[str, ...]:
         """Members our copy misses that etcd still has mean the copy is wrong: re-read it.
 
         One read per suspected loss (rare): tearing down a running job because a
@@ -482,5 +447,5 @@ class EtcdRendezvous:
                     len(registered & set(lost)))
         self.mirror.resync()
         self._last_look = None
-        return [node for node in lost if node not in registered]
+        return tuple(node for node in lost if node not in registered)
 

@@ -21,6 +21,7 @@ from typing import Callable
 
 from elastic_runner.config import RendezvousConfig
 from elastic_runner.etcd.mirror import PrefixMirror
+from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
 
 
@@ -43,16 +44,14 @@ class Newcomers:
 
     def has_room(self, plan: p.Plan, nproc: int) -> bool:
         """Could a node of `nproc` workers join `plan` within --max-nodes/--max-workers?"""
-        room_for_workers = not self._config.max_workers or \
-            plan.world_size + nproc <= self._config.max_workers
-        return len(plan.members) < self._config.max_nodes and room_for_workers
+        return d.has_room(plan, nproc, self._config.max_nodes, self._config.max_workers)
 
     def own_wait(self) -> float:
         """Seconds this node, outside a closed plan with room, waits before opening a round."""
         now = self._clock()
         registered = self.registered()
         own = registered.pop(self._config.node_id, now)
-        return p.newcomer_wait(now, own, list(registered.values()), self._config.settle_s,
+        return d.newcomer_wait(now, own, list(registered.values()), self._config.settle_s,
                                self._config.settle_max_s)
 
     def members_wait(self, plan: p.Plan) -> float | None:
@@ -69,7 +68,7 @@ class Newcomers:
             return self._checked[1] - now if math.isfinite(self._checked[1]) else None
         registered = self.registered()
         waiting = self._waiting(plan)
-        wait = p.members_open_wait(now, registered, waiting, self._config.settle_s,
+        wait = d.members_open_wait(now, registered, waiting, self._config.settle_s,
                                    self._config.settle_max_s)
         self._checked = (census, math.inf if wait is None else now + wait)
         return wait

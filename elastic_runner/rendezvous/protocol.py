@@ -6,6 +6,9 @@ closed). The rules below decide who is in a round, when it may close, the rank
 order, and whether the round that ended counts as a restart. Keeping them pure
 lets a test check a rule without etcd, and lets every agent evaluate them on its
 own copy of the state and still agree: only the closing transaction decides.
+decisions.py turns these rules into what the engine does next (open, join,
+close, wait, count a restart), also without I/O. A round's cause is a `Cause`
+value; the round key and the plan hold its one text.
 
 Choices written down here:
 - Rank order is stable: members of the previous plan keep their relative order,
@@ -22,7 +25,7 @@ Choices written down here:
   burst of arrivals only after that much quiet: a burst costs two re-formations
   (its first arrival's, then everyone else's), not one per node. The plan's
   first member opens it (it watched the newcomers arrive), the newcomer itself
-  when that member is slow (`newcomer_wait`, `members_open_wait`).
+  when that member is slow (decisions.py: `newcomer_wait`, `members_open_wait`).
 - Times are never compared across machines. A registration's time is when the
   agent deciding first saw its node key, on that agent's own monotonic clock
   (wall clocks of different machines drift and step: one 60 s ahead made every
@@ -37,7 +40,7 @@ Choices written down here:
 
 from __future__ import annotations
 
-import heapq
+import enum
 import json
 import re
 from dataclasses import asdict, dataclass
@@ -157,6 +160,69 @@ def is_passive_key(key: str) -> bool:
 
 def node_id_from_key(key: str) -> str:
     return key.rsplit("/", 1)[-1]
+
+
+# ---- round causes ---------------------------------------------------------------
+class CauseKind(enum.Enum):
+    """Why a round opened or a plan stopped holding; the value is the text etcd holds."""
+
+    START = "start"
+    MEMBER_LOST = "member-lost"
+    NEWCOMER = "newcomer"
+    WORKER_FAILURE = "worker-failure"
+    NOTICE = "workers checkpointed and stopped for a spot notice"
+    ETCD_OUTAGE = "etcd outage"
+    LEASE_EXPIRED = "this node's lease expired"
+    FINISHED = "workers succeeded"
+    JOB_FAILED = "the job failed"
+    OTHER = ""  # text no rule here writes (torchrun's plug-in, an older agent): kept whole
+
+
+_LEGACY_LOST = re.compile(r"member\(s\) lost: (.*)", re.S)
+_LEGACY_OPENED = re.compile(r"round \S+ opened \((.*)\)", re.S)
+
+
+@dataclass(frozen=True)
+class Cause:
+    """A round's cause as a value: decisions compare `kind`, never parse text.
+
+    `text()` is the one spelling, written into RoundState.cause / Plan.cause and
+    logged; `parse` reads it back. Those fields stay text, so `status` and older
+    agents of this schema read them unchanged. Texts older agents wrote ("member(s)
+    lost: a, b", "round 3 opened (newcomer)") parse to their kind; anything else
+    is OTHER with the text kept, never an error.
+    """
+
+    kind: CauseKind
+    detail: str = ""
+
+    def text(self) -> str:
+        if self.kind is CauseKind.OTHER:
+            return self.detail
+        return f"{self.kind.value}: {self.detail}" if self.detail else self.kind.value
+
+    __str__ = text
+
+    @staticmethod
+    def member_lost(nodes) -> "Cause":
+        return Cause(CauseKind.MEMBER_LOST, ",".join(nodes))
+
+    @staticmethod
+    def parse(text: str) -> "Cause":
+        for kind in CauseKind:
+            if kind is CauseKind.OTHER:
+                continue
+            if text == kind.value:
+                return Cause(kind)
+            if text.startswith(kind.value + ": "):
+                return Cause(kind, text[len(kind.value) + 2:])
+        lost = _LEGACY_LOST.fullmatch(text)
+        if lost:
+            return Cause.member_lost(node.strip() for node in lost.group(1).split(","))
+        opened = _LEGACY_OPENED.fullmatch(text)
+        if opened:
+            return Cause.parse(opened.group(1))
+        return Cause(CauseKind.OTHER, text)
 
 
 # ---- values ---------------------------------------------------------------------
@@ -354,61 +420,6 @@ def may_close(inputs: CloseInputs) -> bool:
     if inputs.all_live_joined and not inputs.first_round:
         return True
     return inputs.settle_elapsed and not inputs.members_draining
-
-
-def settle_remaining(now: float, min_met_at: float, last_arrival_at: float,
-                     settle_s: float, settle_max_s: float, live_unjoined: bool = False) -> float:
-    """Seconds before a round that met its minimum at `min_met_at` may close.
-
-    The round waits for `settle_s` of quiet after the later of the minimum being
-    met and the newest registration, and while a registered (so live) node has
-    not joined yet: it is on its way, and closing without it costs everyone
-    another round. Never past `settle_max_s` after the minimum was met: a steady
-    trickle of arrivals, or a node that never joins, must not hold it open forever.
-    All times are on the deciding agent's own clock (`last_arrival_at`: when it
-    saw the newest registration).
-    """
-    cap = min_met_at + settle_max_s
-    if live_unjoined:
-        return cap - now
-    return min(max(min_met_at, last_arrival_at) + settle_s, cap) - now
-
-
-def newcomer_wait(now: float, registered_at: float, others_registered_at: list[float],
-                  settle_s: float, settle_max_s: float) -> float:
-    """Seconds a node outside a closed plan waits before opening the next round.
-
-    All times are the deciding agent's own clock: when it saw each registration.
-    `others_registered_at` are those of every other live node, members included.
-    When none registered within `settle_s`, it opens at once (a lone newcomer pays
-    no wait); during a burst it waits for that much quiet, so the burst's first
-    arrival costs one round and all later ones a second, bounded by
-    `settle_max_s` after its own registration.
-    """
-    if not others_registered_at:
-        return 0.0
-    return max(0.0, min(max(others_registered_at) + settle_s,
-                        registered_at + settle_max_s) - now)
-
-
-def members_open_wait(now: float, registered_at: dict[str, float], waiting: list[str],
-                      settle_s: float, settle_max_s: float) -> float | None:
-    """Seconds before a member opens the next round for `waiting` newcomers (None: none wait).
-
-    The newcomer rule (`newcomer_wait`) evaluated for each waiting node by a member
-    that saw them all arrive; the first to come due decides. `registered_at` holds
-    every live node's registration time on the member's clock. O(nodes): the newest
-    registration other than a node's own is the newest or the second newest.
-    """
-    if not waiting:
-        return None
-    newest = heapq.nlargest(2, registered_at.items(), key=lambda item: item[1])
-    waits = []
-    for node in waiting:
-        others = [at for other, at in newest if other != node][:1]
-        waits.append(newcomer_wait(now, registered_at.get(node, now), others,
-                                   settle_s, settle_max_s))
-    return min(waits)
 
 
 def counts_as_restart(failed: bool, previous: tuple[str, ...], members: tuple[str, ...]) -> bool:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
 
 PROPS = settings(max_examples=200, deadline=None)
@@ -318,7 +319,7 @@ def test_round_keys_differ_per_round_and_node(r1, r2, n1, n2):
     (41.0, 0.0, True, -1.0),     # a node that never joins holds the round only to the cap
 ])
 def test_settle_remaining_table(now, last_arrival, live_unjoined, expected):
-    left = p.settle_remaining(now, 10.0, last_arrival, 2.0, 30.0, live_unjoined)
+    left = d.settle_remaining(now, 10.0, last_arrival, 2.0, 30.0, live_unjoined)
     assert left == pytest.approx(expected)
 
 
@@ -329,32 +330,32 @@ def test_settle_never_runs_past_the_cap(min_met, last_arrival, elapsed, settle, 
                                         live_unjoined):
     settle_max = settle + extra
     now = min_met + elapsed
-    left = p.settle_remaining(now, min_met, last_arrival, settle, settle_max, live_unjoined)
+    left = d.settle_remaining(now, min_met, last_arrival, settle, settle_max, live_unjoined)
     assert now + left <= min_met + settle_max + 1e-9
     if not live_unjoined and last_arrival <= min_met:
         assert now + left == pytest.approx(min_met + min(settle, settle_max))
 
 
 def test_a_newcomer_alone_opens_at_once_a_burst_waits_for_quiet():
-    assert p.newcomer_wait(100.0, 99.0, [], 2.0, 30.0) == 0.0
-    assert p.newcomer_wait(100.0, 99.0, [10.0, 20.0], 2.0, 30.0) == 0.0  # members from long ago
-    assert p.newcomer_wait(100.0, 99.0, [99.5], 2.0, 30.0) == pytest.approx(1.5)
+    assert d.newcomer_wait(100.0, 99.0, [], 2.0, 30.0) == 0.0
+    assert d.newcomer_wait(100.0, 99.0, [10.0, 20.0], 2.0, 30.0) == 0.0  # members from long ago
+    assert d.newcomer_wait(100.0, 99.0, [99.5], 2.0, 30.0) == pytest.approx(1.5)
     # a steady stream of arrivals: bounded by --settle-max after our own registration
-    assert p.newcomer_wait(128.0, 99.0, [127.9], 2.0, 30.0) == pytest.approx(1.0)
-    assert p.newcomer_wait(130.0, 99.0, [129.9], 2.0, 30.0) == 0.0
+    assert d.newcomer_wait(128.0, 99.0, [127.9], 2.0, 30.0) == pytest.approx(1.0)
+    assert d.newcomer_wait(130.0, 99.0, [129.9], 2.0, 30.0) == 0.0
 
 
 # ---- members_open_wait: the plan's first member opens a round for newcomers -------
 def test_a_member_opens_at_once_for_a_lone_newcomer_and_waits_out_a_burst():
     old = {"m0": 10.0, "m1": 12.0}
-    assert p.members_open_wait(100.0, old, [], 2.0, 30.0) is None  # nobody waits
-    assert p.members_open_wait(100.0, {**old, "n": 99.5}, ["n"], 2.0, 30.0) == 0.0
+    assert d.members_open_wait(100.0, old, [], 2.0, 30.0) is None  # nobody waits
+    assert d.members_open_wait(100.0, {**old, "n": 99.5}, ["n"], 2.0, 30.0) == 0.0
     burst = {**old, "n1": 99.0, "n2": 99.5}
     # n2's own rule comes due first: quiet for --settle since the arrival before it
-    assert p.members_open_wait(100.0, burst, ["n1", "n2"], 2.0, 30.0) == pytest.approx(1.0)
+    assert d.members_open_wait(100.0, burst, ["n1", "n2"], 2.0, 30.0) == pytest.approx(1.0)
     # arrivals keep coming: the earliest waiting node's --settle-max still bounds it
     stream = {**old, "n1": 99.0, "n2": 127.5, "n3": 127.9}
-    assert p.members_open_wait(128.0, stream, ["n1", "n2", "n3"], 2.0, 30.0) == \
+    assert d.members_open_wait(128.0, stream, ["n1", "n2", "n3"], 2.0, 30.0) == \
         pytest.approx(1.0)
 
 
@@ -364,8 +365,8 @@ def test_a_member_opens_at_once_for_a_lone_newcomer_and_waits_out_a_burst():
 def test_members_open_wait_is_the_soonest_newcomer_rule(registered, data, now, settle, extra):
     waiting = data.draw(st.lists(st.sampled_from(sorted(registered)), min_size=1, unique=True))
     settle_max = settle + extra
-    wait = p.members_open_wait(now, registered, waiting, settle, settle_max)
-    each = [p.newcomer_wait(now, registered[node],
+    wait = d.members_open_wait(now, registered, waiting, settle, settle_max)
+    each = [d.newcomer_wait(now, registered[node],
                             [at for other, at in registered.items() if other != node],
                             settle, settle_max) for node in waiting]
     assert wait == pytest.approx(min(each))
