@@ -1,4 +1,9 @@
-"""EtcdRendezvous driven by threads against a real etcd: how arrivals become rounds."""
+"""EtcdRendezvous driven by threads against a real etcd: how arrivals become rounds.
+
+No sleep stands in for synchronisation: a test that needs an arrival to have
+happened waits until etcd (as the first node's copy shows it) holds it, with a
+generous deadline, so a slow machine makes a test slower, not wrong.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import pytest
 
 from elastic_runner.config import EtcdConfig, RendezvousConfig
 from elastic_runner.etcd.client import EtcdClient
+from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous.engine import EtcdRendezvous
 from elastic_runner.rendezvous.protocol import JobSpec
 
@@ -68,23 +74,41 @@ class Node:
         self._stop.set()
         self.rdzv.shutdown.set()
         self.rdzv.mirror.wake()
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=10)
         self.rdzv.leave()
         self.client.close()
 
 
 @pytest.fixture
 def node(etcd):
-    """Start a Node in run `run`; every node started is stopped after the test."""
-    started: list[Node] = []
+    """Start a Node in run `run` (`begin=False`: only connect it); all are stopped after."""
+    made: list[Node] = []
 
-    def start(run: str, node_id: str, max_nodes: int, **options) -> Node:
-        started.append(Node(etcd.endpoint, run, node_id, max_nodes, **options).start())
-        return started[-1]
+    def start(run: str, node_id: str, max_nodes: int, begin: bool = True, **options) -> Node:
+        made.append(Node(etcd.endpoint, run, node_id, max_nodes, **options))
+        return made[-1].start() if begin else made[-1]
 
     yield start
-    for each in started:
+    for each in made:
         each.stop()
+
+
+def wait_for(condition, what: str, nodes: list[Node], timeout_s: float = 60) -> None:
+    """Poll until `condition()` holds; fail on a node's error or at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert not [n.error for n in nodes if n.error], [n.error for n in nodes if n.error]
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
+        time.sleep(0.02)
+
+
+def arrive(newcomer: Node, observer: Node, key) -> None:
+    """Start `newcomer`, then wait until `observer`'s copy of etcd holds its `key`."""
+    wanted = key(newcomer.rdzv.prefix, newcomer.rdzv.node_id)
+    newcomer.start()
+    wait_for(lambda: observer.rdzv.mirror.get(wanted) is not None,
+             f"{observer.rdzv.node_id} to see {wanted}", [newcomer, observer])
 
 
 def wait_for_agreement(nodes: list[Node], size: int, timeout_s: float = 60):
@@ -104,10 +128,11 @@ def wait_for_agreement(nodes: list[Node], size: int, timeout_s: float = 60):
 def test_a_burst_of_newcomers_costs_two_reformations_not_one_each(node):
     first = [node("burst", f"a{i}", 16) for i in range(4)]
     start = wait_for_agreement(first, 4)
-    newcomers = []
-    for i in range(8):  # 8 arrivals, 0.1 s apart: well inside one settle period
-        newcomers.append(node("burst", f"b{i}", 16))
-        time.sleep(0.1)
+    # 8 arrivals one after another (connected beforehand, so each takes a few
+    # requests): all well inside one settle period, yet each a distinct arrival.
+    newcomers = [node("burst", f"b{i}", 16, begin=False) for i in range(8)]
+    for newcomer in newcomers:
+        arrive(newcomer, first[0], p.node_key)
     plan = wait_for_agreement(first + newcomers, 12)
     # The first newcomer sees no recent arrival and opens a round at once; the
     # rest see it and wait for a quiet --settle, then share one more round.
@@ -131,11 +156,11 @@ def test_a_single_newcomer_and_a_leave_each_cost_one_round(node):
 
 
 def test_a_slow_start_closes_once_when_arrivals_stop(node):
-    """Nodes of one job booting over a few seconds end up in the first round together."""
-    nodes = []
-    for i in range(6):
-        nodes.append(node("staggered", f"s{i}", 16))
-        time.sleep(0.3)
+    """Nodes of one job booting one after another end up in the first round together:
+    each boots once the one before it has joined round 0."""
+    nodes = [node("staggered", f"s{i}", 16, begin=False) for i in range(6)]
+    for booting in nodes:
+        arrive(booting, nodes[0], lambda prefix, node_id: p.join_key(prefix, 0, node_id))
     plan = wait_for_agreement(nodes, 6)
     assert plan.round == 0
 
