@@ -1,13 +1,16 @@
 """Real agents on localhost: start, kill, and read what their workers logged.
 
 A scenario reads like one: `job.start("a", "b", "c")`, `job.kill("a")`,
-`job.wait_world(4)`. Waiting is on observed outcomes (lines in the workers' step
-logs) with a generous deadline, never on fixed sleeps.
+`job.fail_worker(rank=1, step=7)`, `job.wait_world(4)`. Waiting is on observed
+outcomes (lines in the workers' step logs) with a generous deadline, never on
+fixed sleeps.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic_runner.events import read_jsonl  # the e2e tests import it from here
+from tests.helpers.injected_fault import FAULT_DIR_VARIABLE, FIRED, armed_path
 
 PROBE = Path(__file__).resolve().parents[1] / "helpers" / "probe_worker.py"
 MLP = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
@@ -43,6 +47,10 @@ class Job:
     def steps_file(self) -> Path:
         return self.workdir / "steps.jsonl"
 
+    @property
+    def fault_dir(self) -> Path:
+        return self.workdir / "faults"
+
     def command(self, node: str, **overrides) -> list[str]:
         flags = {"--rdzv-endpoints": self.endpoint, "--run-id": self.run_id, "--node-id": node,
                  "--min-nodes": self.min_nodes, "--max-nodes": self.max_nodes,
@@ -62,7 +70,7 @@ class Job:
             self.agents[node] = subprocess.Popen(
                 [*self.wrap.get(node, []), *self.command(node, **overrides)], stdout=log,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, **self.env} if self.env else None)
+                env={**os.environ, FAULT_DIR_VARIABLE: str(self.fault_dir), **self.env})
             log.close()
 
     def agent_log(self, node: str) -> str:
@@ -74,6 +82,21 @@ class Job:
 
     def terminate(self, node: str) -> None:
         self.agents[node].send_signal(signal.SIGTERM)
+
+    def fail_worker(self, rank: int, step: int, exit_code: int = 3) -> None:
+        """The worker of global rank `rank` exits with `exit_code` as it reaches `step`,
+        once (the restarted round re-does the step without failing). Exact where a
+        kill is timed: the training scripts ask at each step (helpers/injected_fault.py)."""
+        if exit_code == 0:
+            raise ValueError("a worker failure needs a non-zero exit code")
+        self.fault_dir.mkdir(exist_ok=True)
+        armed_path(self.fault_dir, rank, step).write_text(str(exit_code))
+
+    def faults_fired(self) -> list[tuple[int, int]]:
+        """(rank, step) of every fail_worker fault that went off."""
+        names = [re.fullmatch(r"rank(\d+)-step(\d+)" + re.escape(FIRED), path.name)
+                 for path in self.fault_dir.glob("*" + FIRED)]
+        return sorted((int(m[1]), int(m[2])) for m in names if m)
 
     def steps(self) -> list[dict]:
         return read_jsonl(self.steps_file)
@@ -103,6 +126,20 @@ class Job:
                     return [r for r in rows if r["ELASTIC_RUN_ROUND"] == round_id]
             return None
         return self.wait_for(reached, timeout, f"world size {size}")
+
+    def wait_steps(self, more: int, timeout: float = 60.0) -> list[dict]:
+        """Wait until every rank of the world has logged `more` steps from now on; return
+        the rows logged meanwhile. The positive signal for a check that something (a
+        re-formation) did not happen: training demonstrably went on in the meantime."""
+        seen = len(self.steps())
+
+        def reached():
+            rows = self.steps()[seen:]
+            counts = collections.Counter(r["RANK"] for r in rows)
+            world = int(rows[-1]["WORLD_SIZE"]) if rows else 0
+            return rows if rows and len(counts) == world and min(counts.values()) >= more \
+                else None
+        return self.wait_for(reached, timeout, f"{more} more steps on every rank")
 
     def wait_exit(self, node: str, timeout: float = 60.0) -> int:
         try:

@@ -141,9 +141,14 @@ def test_two_runs_on_one_etcd_never_interfere(etcd, tmp_path):
 def test_extra_nodes_wait_as_standbys_and_fill_a_gap(job):
     job.nproc, job.max_nodes = 1, 2
     job.start("a", "b")
-    job.wait_world(2)
+    formed = job.wait_world(2)
     job.start("standby")
-    time.sleep(job.settle + 2)
+    job.wait_for(lambda: "standby" in job.node_keys() or None, 30, "the standby to register")
+    # A newcomer with room would re-form the job within --settle (1 s); 60 steps of
+    # 0.05 s on every rank, all in the same round, show that a full run did not.
+    rows = job.wait_steps(60)
+    assert {r["ELASTIC_RUN_ROUND"] for r in rows} == {formed[0]["ELASTIC_RUN_ROUND"]}
+    assert {r["WORLD_SIZE"] for r in rows} == {"2"}
     assert job.agents["standby"].poll() is None        # waiting, not crashed
     assert "standby" in job.node_keys()                 # registered and alive...
     assert "standby=ranks" not in job.agent_log("standby")  # ...but in no plan yet
@@ -175,3 +180,43 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(job, tmp_path):
     assert "resuming after step 20" in log
     assert log.count(newest.name) == 1 and "sha256" in log  # one line names it and why
     assert newest.exists()                                   # kept for inspection
+
+
+def test_worker_rank_1_failing_at_step_7_resumes_from_the_checkpoint(job, tmp_path):
+    """An exact fault (no timing): rank 1 exits 3 as it reaches step 7. The round
+    restarts from the checkpoint of step 5, the run finishes with every sample
+    trained exactly once, and the failure is reported with rank 1 and code 3."""
+    from collections import Counter
+    from pathlib import Path
+
+    from tests.e2e.harness import read_jsonl
+
+    trace, logs = tmp_path / "trace.jsonl", tmp_path / "logs"
+    samples, batch = 320, 8  # 40 steps
+    job.script = Path(__file__).resolve().parents[1] / "helpers" / "style_worker.py"
+    job.nproc, job.min_nodes = 1, 2
+    job.script_args = ("--style", "due", "--trace", str(trace), "--every", "5",
+                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--samples", str(samples),
+                       "--global-batch", str(batch), "--step-time", "0.02")
+    job.fail_worker(rank=1, step=7, exit_code=3)
+    job.start("a", "b", max_restarts=1, log_dir=logs)
+    assert job.wait_exit("a", timeout=120) == 0 and job.wait_exit("b", timeout=30) == 0
+    assert job.faults_fired() == [(1, 7)]
+
+    rows = read_jsonl(trace)
+    first, second = sorted({r["round"] for r in rows})  # one restart, nothing else
+    before = [r for r in rows if r["round"] == first]
+    assert max(r["step"] for r in before) == 6           # nobody finished step 7 there
+    after = [r for r in rows if r["round"] == second]
+    assert min(r["step"] for r in after) == 6            # resumed after checkpoint 5
+    assert {r["world"] for r in rows} == {2}
+    last_round = {r["step"]: r["round"] for r in sorted(rows, key=lambda r: r["round"])}
+    effective = [r for r in rows if r["round"] == last_round[r["step"]]]
+    seen = Counter(i for r in effective for i in r["indices"])
+    assert set(seen) == set(range(samples)) and set(seen.values()) == {1}
+
+    # Rank 0 may fail too, in the all-reduce its peer left: that is collateral.
+    exited = {(e["rank"], e["exit_code"]) for e in read_jsonl(logs / "events.jsonl")
+              if e["kind"] == "worker_exited"}
+    assert (1, 3) in exited and {rank for rank, _ in exited} <= {0, 1}
+    assert (0, 3) not in exited

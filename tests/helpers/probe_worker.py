@@ -1,7 +1,8 @@
 """A gloo worker for end-to-end tests: logs what the launcher gave it, step by step.
 
 Each step all-reduces a counter so a step only completes when the whole world is
-present; every rank appends one JSON line per step to --out.
+present; every rank appends one JSON line per step to --out. A fault armed by the
+harness (Job.fail_worker) ends its rank as it reaches its step.
 """
 
 import argparse
@@ -12,6 +13,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from injected_fault import fail_if_armed
 
 
 def main() -> None:
@@ -34,6 +36,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     with open(args.out, "a", buffering=1) as out:
         for step in range(args.steps):
+            fail_if_armed(rank, step)
             first_run = env["TORCHELASTIC_RESTART_COUNT"] == "0"
             if step == args.fail_at_step and rank == args.fail_rank and (
                     first_run or not args.fail_only_first):

@@ -6,6 +6,7 @@
 - sampler:  ElasticSampler, no checkpointer at all
 - plain:    no sampler, no checkpointer: a fixed number of all-reduce steps
 Every rank appends one JSON line per step to --trace (step, round, world, indices).
+A fault armed by the harness (Job.fail_worker) ends its rank as it reaches its step.
 """
 
 import argparse
@@ -14,6 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from injected_fault import fail_if_armed
 
 import elastic_runner as er
 
@@ -26,6 +28,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1600)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--step-time", type=float, default=0.05)
+    parser.add_argument("--every", type=int, default=1000, help="due(): a checkpoint every N steps")
     args = parser.parse_args()
     with er.init() as ctx, open(args.trace, "a", buffering=1) as trace:
         def log(step, indices):
@@ -35,6 +38,7 @@ def main() -> None:
 
         if args.style == "plain":
             for step in range(1, args.samples // args.global_batch + 1):
+                fail_if_armed(ctx.rank, step)
                 ones = torch.ones(1)
                 dist.all_reduce(ones)
                 log(step, [])
@@ -46,7 +50,7 @@ def main() -> None:
         sampler = er.ElasticSampler(args.samples, global_batch_size=args.global_batch, seed=1)
         ckpt = None
         if args.style == "due":
-            ckpt = er.Checkpointer(args.checkpoint_dir, every=1000)
+            ckpt = er.Checkpointer(args.checkpoint_dir, every=args.every)
             state = ckpt.load_latest()
             if state:
                 model.load_state_dict(state["model"])
@@ -56,6 +60,7 @@ def main() -> None:
             ckpt = er.Checkpointer(args.checkpoint_dir)
             ckpt.restore({"model": model, "optim": optimizer, "sampler": sampler})
         for step, indices in sampler:
+            fail_if_armed(ctx.rank, step)
             optimizer.zero_grad()
             loss = model(torch.ones(max(len(indices), 1), 4)).sum()
             loss.backward()
