@@ -43,11 +43,40 @@ def wait_until(predicate, what: str, timeout: float = WAIT_S):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+class WatchedClient:
+    """The store's EtcdClient, telling a test what it would otherwise sleep for:
+    `watching` is set once a blocked read watches for its missing keys, and `found`
+    lists the keys each range read returned."""
+
+    def __init__(self, client: EtcdClient):
+        self._client = client
+        self.watching = threading.Event()
+        self.found: list[set[str]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    def get_prefix(self, prefix: str):
+        entries, revision = self._client.get_prefix(prefix)
+        self.found.append({kv.key.rsplit("/", 1)[-1] for kv in entries})
+        return entries, revision
+
+    def watch_prefix(self, *args):
+        watch = self._client.watch_prefix(*args)
+        self.watching.set()
+        return watch
+
+
 @pytest.fixture
-def store(etcd):
-    client = EtcdClient(EtcdConfig((etcd.endpoint,), timeout_s=2.0))
-    yield EtcdStore(client, "/torch-store-test/", timedelta(seconds=5))
-    client.close()
+def client(etcd):
+    watched = WatchedClient(EtcdClient(EtcdConfig((etcd.endpoint,), timeout_s=2.0)))
+    yield watched
+    watched.close()
+
+
+@pytest.fixture
+def store(client):
+    return EtcdStore(client, "/torch-store-test/", timedelta(seconds=5))
 
 
 def test_entry_point_registers_the_backend_with_torch(etcd):
@@ -95,10 +124,8 @@ def exercise_shared_store(store_a: EtcdStore, store_b: EtcdStore) -> None:
     assert store_b.get("k") == b"v"
     store_b.wait(["k"])
 
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool:  # the waiting itself: test_a_get_waits_...
         blocked = pool.submit(store_a.get, "late")
-        time.sleep(0.3)  # let the get reach its watch before the key appears
-        assert not blocked.done()
         store_b.set("late", b"\x00\xff")
         assert blocked.result(5) == b"\x00\xff"
 
@@ -139,19 +166,25 @@ def test_store_waits_time_out_with_torch_errors(store):
     store.wait(["present"], timedelta(milliseconds=1))  # present: no wait needed
 
 
-def test_wait_for_several_keys_returns_when_the_last_arrives(store):
-    done = threading.Event()
+def test_a_get_waits_for_a_missing_key_and_returns_its_value(store, client):
+    with ThreadPoolExecutor(1) as pool:
+        blocked = pool.submit(store.get, "late")
+        assert client.watching.wait(WAIT_S), "the get never watched for its key"
+        assert not blocked.done()  # it read, found nothing, and waits
+        store.set("late", b"\x00\xff")
+        assert blocked.result(5) == b"\x00\xff"
 
-    def waiter():
-        store.wait(["p", "q"])
-        done.set()
 
-    thread = threading.Thread(target=waiter, daemon=True)
-    thread.start()
-    store.set("p", "1")
-    assert not done.wait(0.3)
-    store.set("q", "2")
-    assert done.wait(5)
+def test_wait_for_several_keys_returns_when_the_last_arrives(store, client):
+    """Seeing p alone must not end a wait for p and q (it would raise DistStoreError)."""
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(store.wait, ["p", "q"])
+        assert client.watching.wait(WAIT_S), "the wait never watched for its keys"
+        store.set("p", "1")
+        wait_until(lambda: {"p"} in client.found, "the waiter to read p")
+        assert not waiting.done()
+        store.set("q", "2")
+        assert waiting.result(5) is None
 
 
 def test_set_closed_finishes_the_run_for_late_agents(etcd):
