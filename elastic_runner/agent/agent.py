@@ -196,7 +196,7 @@ class Agent:
         log.info("workers finished: all %d exited 0", len(group.pids))
         return 0
 
-    def _wind_down(self, outcome: Outcome, group: WorkerGroup, plan: Plan) -> Cause:
+    def _wind_down(self, outcome: Outcome, group: Workers, plan: Plan) -> Cause:
         """Stop this round's workers; return why, for the next round's record."""
         if outcome.kind == FAILED:
             group.stop(self._config.workers.stop_grace_s)
