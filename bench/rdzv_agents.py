@@ -50,19 +50,20 @@ class SimAgent:
         self.error: str | None = None
 
     def run(self, go: float, monitor: bool) -> None:
+        from elastic_runner.rendezvous.protocol import Cause, CauseKind
         try:
             time.sleep(max(0.0, go - time.time()))
             self.rdzv.register()
-            plan = self.rdzv.next_plan(None, "start")
+            plan = self.rdzv.next_plan(None, Cause(CauseKind.START))
             self._record(plan)
             while monitor and not self.stop.is_set():
-                gen = self.rdzv.mirror.generation
+                gen = self.rdzv.change_marker()
                 reason = self.rdzv.change_reason(plan)
-                if reason:
+                if reason is not None:
                     plan = self.rdzv.next_plan(plan, reason)
                     self._record(plan)
                 else:
-                    self.rdzv.mirror.wait(0.1, gen)
+                    self.rdzv.wait_for_change(0.1, gen)
         except Exception as exc:  # noqa: BLE001
             if not self.stop.is_set():
                 self.error = f"{type(exc).__name__}: {exc}"

@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastic_runner.rendezvous.protocol import (  # noqa: F401  (re-exported)
-    OLDER_SCHEMA_PREFIXES, SCHEMA_PREFIX, run_prefix,
-)
+from elastic_runner.rendezvous.protocol import run_prefix
 
 # Seconds one etcd call may take unless --etcd-timeout says otherwise.
 DEFAULT_ETCD_TIMEOUT_S = 5.0

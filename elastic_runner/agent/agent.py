@@ -165,8 +165,7 @@ class Agent:
         cause, paused_at = Cause(CauseKind.START), time.monotonic()
         while True:
             try:
-                # The rendezvous port takes the cause as the text a round records.
-                plan = self.rendezvous.next_plan(previous, cause.text())
+                plan = self.rendezvous.next_plan(previous, cause)
             except EtcdUnavailable as exc:
                 self._wait_for_etcd(exc)
                 continue
@@ -293,9 +292,8 @@ class Agent:
             if group.stopped_for_resize():
                 return Outcome(CHANGED, Cause(CauseKind.NOTICE))
             reason = self.rendezvous.change_reason(plan)
-            if reason:  # a Cause; text from a rendezvous that still answers text is parsed
-                return Outcome(CHANGED, reason if isinstance(reason, Cause)
-                               else Cause.parse(reason))
+            if reason is not None:
+                return Outcome(CHANGED, reason)
             self._relay_notices(plan)
             self.rendezvous.wait_for_change(self._config.workers.monitor_interval_s, marker)
 

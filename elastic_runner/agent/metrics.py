@@ -35,9 +35,7 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-# ProgressWriter lives in the contract (workers write the files without importing the
-# agent); re-exported for the metrics' readers, as read_progress is.
-from elastic_runner.contract import ProgressWriter, read_progress  # noqa: F401
+from elastic_runner.contract import read_progress
 from elastic_runner.rendezvous.protocol import Cause, CauseKind
 
 STALE_S = 10.0

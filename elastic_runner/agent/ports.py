@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from elastic_runner.config import WorkerConfig
     from elastic_runner.contract import WorkerEnv
     from elastic_runner.rendezvous.engine import RoundView
-    from elastic_runner.rendezvous.protocol import Plan
+    from elastic_runner.rendezvous.protocol import Cause, Plan
 
 
 class Rendezvous(Protocol):
@@ -35,11 +35,11 @@ class Rendezvous(Protocol):
 
     def current_round(self) -> RoundView | None: ...
 
-    def next_plan(self, previous: Plan | None, cause: str) -> Plan:
+    def next_plan(self, previous: Plan | None, cause: Cause) -> Plan:
         """Block until a round that includes this node closes; raise ShutdownRequested
         after interrupt(), WorkerFailure/RunFinished when the run ended."""
 
-    def change_reason(self, plan: Plan) -> str | None:
+    def change_reason(self, plan: Plan) -> Cause | None:
         """Why `plan`'s workers must stop now, or None while it holds."""
 
     def report_failure(self, number: int, failure: dict) -> None: ...

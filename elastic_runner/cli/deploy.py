@@ -32,7 +32,8 @@ from typing import Any
 
 import yaml
 
-from elastic_runner.cli.flags import build_parser, default_run_id, parse_nodes, parse_nproc
+from elastic_runner.cli.flags import (
+    RUN_FLAGS, build_parser, default_run_id, parse_nodes, parse_nproc)
 from elastic_runner.cli.deploy_quoting import (
     PARTITION, TIME, check_dns_label, check_grammar, check_id, check_text, kube_literal,
     printable, shell_join, shell_quote)
@@ -118,25 +119,32 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+# argparse's default for a switch given no `default=`.
+SWITCH_DEFAULTS = {"store_true": False, "store_false": True}
+
+
 def passthrough_flags(args: argparse.Namespace) -> list[str]:
-    """Launcher flags that differ from their defaults, in canonical long spelling."""
+    """Launcher flags that differ from their defaults, in canonical long spelling.
+
+    Read from the flag table (flags.RUN_FLAGS), not from argparse's private actions."""
     flags: list[str] = []
-    for action in build_parser()._actions:
-        if action.dest in HANDLED or not action.option_strings:
+    for row in RUN_FLAGS:
+        if row.dest in HANDLED:
             continue
-        value = getattr(args, action.dest)
-        if value == action.default:
+        value = getattr(args, row.dest)
+        action = row.options.get("action")
+        if value == row.options.get("default", SWITCH_DEFAULTS.get(action)):
             continue
-        flag = next(s for s in action.option_strings if s.startswith("--"))
-        if isinstance(action, argparse._CountAction):
-            flags += [flag] * value
-        elif action.nargs == 0:
-            flags.append(flag)
+        if action == "count":
+            flags += [row.long_name] * value
+        elif action in SWITCH_DEFAULTS:
+            flags.append(row.long_name)
         else:
-            for item in value if isinstance(action, argparse._AppendAction) else [value]:
+            for item in value if action == "append" else [value]:
                 text = format_value(item)
                 # "--log-dir -x" would read -x as a flag; "--log-dir=-x" cannot.
-                flags += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
+                flags += [f"{row.long_name}={text}"] if text.startswith("-") else \
+                    [row.long_name, text]
     return flags
 
 

@@ -234,18 +234,16 @@ class EtcdRendezvous:
                                                p.Cause(p.CauseKind.FINISHED).text()))
 
     # ---- the round loop ---------------------------------------------------------
-    def next_plan(self, previous: p.Plan | None, cause: p.Cause | str) -> p.Plan:
+    def next_plan(self, previous: p.Plan | None, cause: p.Cause) -> p.Plan:
         """Block until a closed round includes this node; return its plan.
 
-        `cause` is what a round opened by this node records; text (torchrun's
-        plug-in, a caller of an older version) is parsed.
+        `cause` is what a round opened by this node records.
 
         Raises:
             RendezvousTimeout: fewer than --min-nodes joined within --join-timeout.
             RunFinished / WorkerFailure: the run ended while we waited.
             ShutdownRequested: `shutdown` was set (SIGTERM/SIGINT).
         """
-        cause = cause if isinstance(cause, p.Cause) else p.Cause.parse(cause)
         deadline = self._clock() + self._config.join_timeout_s
         while True:
             if self.shutdown.is_set():

@@ -23,7 +23,7 @@ from typing import Callable
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
-from elastic_runner.config import OLDER_SCHEMA_PREFIXES, RendezvousConfig
+from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
     DuplicateNodeId, EtcdAuthError, EtcdError, LeaseNotFound, SchemaMismatch, SpecMismatch,
 )
@@ -42,7 +42,7 @@ CLAIM_ATTEMPTS = 3
 
 def check_spec(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec) -> None:
     """Write the run's job spec, or check ours against the one the run started with."""
-    for older in OLDER_SCHEMA_PREFIXES:
+    for older in p.OLDER_SCHEMA_PREFIXES:
         if _count_readable(client, f"{older}/{config.run_id}/"):
             raise SchemaMismatch(
                 f"run {config.run_id!r} has keys under {older}/ written by an older "

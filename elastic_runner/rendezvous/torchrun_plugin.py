@@ -130,7 +130,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._rdzv = EtcdRendezvous(client, config, spec, _MAX_RESTARTS_UNUSED)
         self._registered = False
         self._plan: p.Plan | None = None
-        self._change: str | None = None  # why the current plan stopped holding
+        self._change: p.Cause | None = None  # why the current plan stopped holding
         self._shut_down = False
 
     @property
@@ -157,11 +157,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, member.node_rank, len(plan.members),
                               RendezvousStoreInfo(plan.master_addr, plan.master_port))
 
-    def _cause(self) -> str:
+    def _cause(self) -> p.Cause:
         """What the next round's key records as the reason it opened."""
         if self._plan is None:
-            return "start"
-        return self._change or "torchrun restarted the workers"
+            return p.Cause(p.CauseKind.START)
+        return self._change or p.Cause(p.CauseKind.OTHER, "torchrun restarted the workers")
 
     def num_nodes_waiting(self) -> int:
         """>0 once the current plan no longer holds: torch then re-rendezvouses.

@@ -13,7 +13,8 @@ import pytest
 
 from elastic_runner.worker import runtime
 from elastic_runner.events import read_events
-from elastic_runner.agent.metrics import ProgressWriter, progress_rates, read_progress, restart_cause
+from elastic_runner.agent.metrics import progress_rates, restart_cause
+from elastic_runner.contract import ProgressWriter, read_progress
 from elastic_runner.cli.report import main as report_main
 from elastic_runner.cli.report import timeline_data
 from tests.e2e.harness import Job

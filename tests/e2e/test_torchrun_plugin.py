@@ -19,7 +19,8 @@ import pytest
 
 from tests.e2e.harness import read_jsonl
 
-from elastic_runner.config import SCHEMA_PREFIX, EtcdConfig
+from elastic_runner.config import EtcdConfig
+from elastic_runner.rendezvous.protocol import SCHEMA_PREFIX
 from elastic_runner.etcd.client import EtcdClient
 
 pytestmark = pytest.mark.e2e

@@ -85,7 +85,7 @@ def test_re_registering_after_a_lost_lease_refuses_an_id_taken_meanwhile(agent):
     second = agent("relost", "a")
     second.register()
     with pytest.raises(DuplicateNodeId, match="node id 'a' is already registered"):
-        first.next_plan(None, "start")
+        first.next_plan(None, p.Cause(p.CauseKind.START))
     assert holder_lease(second) == second.lease.id
 
 

@@ -51,7 +51,7 @@ class Node:
     def _run(self) -> None:
         try:
             self.rdzv.register()
-            plan = self._admitted(self.rdzv.next_plan(None, "start"))
+            plan = self._admitted(self.rdzv.next_plan(None, p.Cause(p.CauseKind.START)))
             while not self._stop.is_set():
                 generation = self.rdzv.mirror.generation
                 reason = self.rdzv.change_reason(plan)

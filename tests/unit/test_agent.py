@@ -26,7 +26,7 @@ from elastic_runner.errors import (
     EXIT_CODES, EtcdUnavailable, ShutdownRequested, WorkerFailure, exit_code_for,
 )
 from elastic_runner.rendezvous.failures import failure_message
-from elastic_runner.rendezvous.protocol import Member, Plan, assign_ranks
+from elastic_runner.rendezvous.protocol import Cause, CauseKind, Member, Plan, assign_ranks
 
 NODE = "a"
 LEASE_TTL_S = 2  # the agent's etcd grace is twice this
@@ -70,20 +70,20 @@ class FakeRendezvous:
     def current_round(self):
         return None
 
-    def next_plan(self, previous: Plan | None, cause: str) -> Plan:
+    def next_plan(self, previous: Plan | None, cause: Cause) -> Plan:
         if self.interrupted:
             raise ShutdownRequested("shutdown requested during rendezvous")
         restarts = previous.restart_count if previous else 0
-        if previous is not None and cause.startswith("worker-failure"):
+        if previous is not None and cause.kind is CauseKind.WORKER_FAILURE:
             restarts += 1
             if restarts > self.max_restarts:
                 raise WorkerFailure(failure_message(self.failures[-1], self.max_restarts))
         number = previous.round + 1 if previous else 0
         self.journal.append(f"round {number}")
         return Plan(number, (Member(NODE, 0, 2, "127.0.0.1", 0),), "127.0.0.1", 29500,
-                    restart_count=restarts, cause=cause)
+                    restart_count=restarts, cause=cause.text())
 
-    def change_reason(self, plan: Plan) -> str | None:
+    def change_reason(self, plan: Plan) -> Cause | None:
         return None
 
     def report_failure(self, number: int, failure: dict) -> None:
