@@ -120,6 +120,7 @@ _VARIABLES = {
     "etcd_password_file": "ELASTIC_RUN_ETCD_PASSWORD_FILE",
     "notice_path": "ELASTIC_RUN_NOTICE_PATH", "progress_dir": "ELASTIC_RUN_PROGRESS_DIR",
     "events_path": "ELASTIC_RUN_EVENTS_PATH",
+    "reform_dir": "ELASTIC_RUN_REFORM_DIR", "collective_timeout_s": "ELASTIC_RUN_COLLECTIVE_TIMEOUT",
 }
 # The agent's own secret: never handed to a worker (they get etcd_password_file).
 AGENT_ONLY_VARIABLES = ("ELASTIC_RUN_ETCD_PASSWORD",)
@@ -158,6 +159,10 @@ class WorkerEnv:
     notice_path: str = ""
     progress_dir: str = ""
     events_path: str = ""
+    # In-process re-formation (reform.py): the channel folder, and how long a collective
+    # may block before a worker gives up on a silent peer (0: torch's default).
+    reform_dir: str = ""
+    collective_timeout_s: int = 0
 
     def to_env(self) -> dict[str, str]:
         """The variables to set; empty optional values are left out, as torchrun does."""
