@@ -22,6 +22,8 @@ FORBIDDEN = {
     "etcd": ("agent", "cli", "worker", "rendezvous"),
     "contract": ("agent", "cli", "worker", "rendezvous", "etcd"),
     "events": ("agent", "cli", "worker", "rendezvous", "etcd"),
+    "reform": ("agent", "cli", "worker", "rendezvous", "etcd"),
+    "files": ("agent", "cli", "worker", "rendezvous", "etcd", "config", "contract"),
     "errors": ("agent", "cli", "worker", "rendezvous", "etcd", "config"),
 }
 # The worker reaches etcd in exactly one place: the fenced checkpoint record.
