@@ -48,7 +48,9 @@ def test_zones_get_contiguous_ranks_and_a_newcomer_joins_its_zone(job):
     job.nproc, job.settle, job.max_nodes = 1, 3.0, 5
     for name, zone in (("a1", "a"), ("b1", "b"), ("a2", "a"), ("b2", "b")):
         job.start(name, node_label=[f"zone={zone}"])
-        time.sleep(0.3)  # a known join order: zones interleaved a, b, a, b
+        # A known join order (zones interleaved a, b, a, b): the next node starts only
+        # once this one is registered in etcd.
+        job.wait_for(lambda: name in job.node_keys(), 60, f"{name} registered")
     rows = job.wait_world(4, timeout=60)
     order = plan_order(job, "a1", rows[0]["ELASTIC_RUN_ROUND"])
     zones = [name[0] for name in order]
