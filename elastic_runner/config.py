@@ -119,6 +119,15 @@ class RendezvousConfig:
     # Rank 0 goes to a member with this label when there is one.
     rank0_prefer: tuple[str, str] | None = ("lifecycle", "on-demand")
     settle_max_s: float = DEFAULT_SETTLE_MAX_S
+    # A round opened because a survivor's collective failed (MEMBER_SUSPECTED)
+    # leaves out members of the last plan that have not joined this long after it
+    # opened, instead of waiting for a dead node's lease (decisions.py). Why 1 s:
+    # a live agent joins within milliseconds of seeing the round open (its paused
+    # workers need not stop first), so 1 s spares a busy host; and 1 s plus the
+    # re-formation stays within issue 15's 1.5 s from a SIGKILL to the first step
+    # at the smaller size, whatever the lease TTL. One dropped wrongly joins the
+    # next round as a newcomer does.
+    suspect_grace_s: float = 1.0
 
     @property
     def prefix(self) -> str:
@@ -129,6 +138,20 @@ class RendezvousConfig:
         """How long workers keep training while etcd does not answer (two TTLs;
         why: `etcd_grace_s` at module level)."""
         return etcd_grace_s(self.lease_ttl_s)
+
+    @property
+    def collective_timeout_s(self) -> int:
+        """How long a worker's collective may block before it gives up on a silent peer.
+
+        Why it exists: a frozen (SIGSTOPped, swapping) peer keeps its sockets open, so
+        a collective waiting on it blocks until torch's timeout (10 minutes by default)
+        and, with in-process re-formation, holds the survivors' pause as long. Why 4
+        TTLs: the frozen node's lease expires after one and the next round opens
+        within another, so a collective still blocked two TTLs later waits on a node
+        that is already out. Why at least 10 s: a slow but healthy collective (a busy
+        host, a large all-reduce over a slow link) must not pass for a dead peer.
+        """
+        return max(10, 4 * int(self.lease_ttl_s))
 
     @property
     def keepalive_interval_s(self) -> float:

@@ -18,6 +18,21 @@ Choices written down here (today's behaviour, kept):
   agent with a higher limit, is not failed for it).
 - A node outside a closed plan has room while the plan holds fewer than
   --max-nodes members and its workers fit under --max-workers.
+- Suspicion (issue 15): a survivor whose collective failed opens the next round
+  at once with a MEMBER_SUSPECTED cause, long before a dead node's lease
+  expires. Such a round stops waiting for a member of the previous plan that has
+  not joined within --suspect-grace of the round opening (on the deciding
+  agent's clock, from its first look at the open round, like the drain wait):
+  without this the dead node's still-live key would hold the round for the
+  drain timeout or --settle-max (30 s by default) or until its lease expires.
+  The grace only shortens waits: every other rule (min/max nodes and workers,
+  settle for newcomers, the closer election) holds as before, so a round never
+  closes below --min-nodes. A member left out this way does not spend a
+  restart (its absence is a membership change, protocol.counts_as_restart), and
+  the next plan's first member does not open a round for it while its key lives
+  on (`left_out_on_suspicion`): a dead node would only hold that round open
+  until its lease expired. Alive, it finds itself outside the plan and opens the
+  next round itself, exactly as a newcomer does (`outsider_action`).
 """
 
 from __future__ import annotations
@@ -41,6 +56,8 @@ class RoundRules:
     settle_s: float = 0.0
     settle_max_s: float = 0.0
     drain_timeout_s: float = 0.0
+    # A suspected round's wait for members of the previous plan (see the docstring).
+    suspect_grace_s: float = 0.0
 
 
 # ---- the round key: what an agent waiting for a plan does ------------------------
@@ -176,18 +193,43 @@ class RoundLook:
     min_met_at: float | None
     opened_at: float
     deadline: float
+    # The round was opened for a suspected member (CauseKind.MEMBER_SUSPECTED).
+    suspected: bool = False
+
+
+def suspect_left_out(look: RoundLook, now: float, rules: RoundRules) -> frozenset[str]:
+    """Members of the previous plan a suspected round no longer waits for.
+
+    None before --suspect-grace has passed since the round opened (on this
+    agent's clock); after it, every previous member that has not joined, live
+    key or not: a node SIGKILLed a moment ago keeps its key until its lease
+    expires, which is the wait suspicion exists to skip.
+    """
+    if not look.suspected or look.previous is None or \
+            now < look.opened_at + rules.suspect_grace_s:
+        return frozenset()
+    return frozenset(look.previous) - look.joined
 
 
 def close_inputs(look: RoundLook, now: float,
                  rules: RoundRules) -> tuple[p.CloseInputs, tuple[float, ...]]:
-    """protocol.may_close's inputs, and the timers after which they may differ."""
-    live = set(look.registered)
+    """protocol.may_close's inputs, and the timers after which they may differ.
+
+    In a suspected round, members left out after the grace (`suspect_left_out`)
+    count as gone: neither live, nor unjoined, nor draining.
+    """
+    left_out = suspect_left_out(look, now, rules)
+    registered = {node: at for node, at in look.registered.items() if node not in left_out}
+    live = set(registered)
     min_met = look.min_met_at
     settle_left = None if min_met is None else settle_remaining(
-        now, min_met, max(look.registered.values(), default=min_met), rules.settle_s,
+        now, min_met, max(registered.values(), default=min_met), rules.settle_s,
         rules.settle_max_s, live_unjoined=not live <= look.joined)
     drain_left = look.opened_at + rules.drain_timeout_s - now
     previous = look.previous
+    grace_left = None
+    if look.suspected and previous is not None and (set(previous) & live) - look.joined:
+        grace_left = look.opened_at + rules.suspect_grace_s - now
     inputs = p.CloseInputs(
         joined=len(look.joined), min_nodes=rules.min_nodes, max_nodes=rules.max_nodes,
         workers=look.workers, min_workers=rules.min_workers, max_workers=rules.max_workers,
@@ -197,8 +239,20 @@ def close_inputs(look: RoundLook, now: float,
         members_draining=previous is not None and bool((set(previous) & live) - look.joined)
         and drain_left > 0,
     )
-    timers = tuple(w for w in (look.deadline - now, drain_left, settle_left) if w is not None)
+    timers = tuple(w for w in (look.deadline - now, drain_left, settle_left, grace_left)
+                   if w is not None)
     return inputs, timers
+
+
+def left_out_on_suspicion(plan: p.Plan, previous: p.Plan | None) -> frozenset[str]:
+    """Members of `previous` that `plan`, closed for a suspicion, left out.
+
+    The plan's first member does not open a round for them while their keys live
+    on (they are most likely dead: one that is alive opens the round itself).
+    """
+    if previous is None or p.Cause.parse(plan.cause).kind is not p.CauseKind.MEMBER_SUSPECTED:
+        return frozenset()
+    return frozenset(previous.node_ids) - set(plan.node_ids)
 
 
 def elect_closer(joins: Iterable[tuple[str, int]]) -> str:
@@ -294,6 +348,16 @@ def restart_verdict(previous: p.Plan | None, failed: bool, members: tuple[str, .
 
 
 # ---- while workers run: does the plan still hold ---------------------------------
+def suspicion_opens(state: p.RoundState | None, plan_round: int) -> bool:
+    """Does a suspicion about the plan of `plan_round` open the next round?
+
+    Only while that plan's round is the closed current one: once a later round
+    opened (another survivor's suspicion, a loss, a newcomer) there is nothing to
+    do, everyone joins that one; a finished or failed run opens nothing.
+    """
+    return state is not None and state.number == plan_round and state.state == p.CLOSED
+
+
 class Watch(enum.Enum):
     HOLDS = "the run finished: nothing left to watch"
     MEMBERS = "the round key says nothing: look at members and newcomers"

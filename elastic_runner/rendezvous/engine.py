@@ -73,7 +73,7 @@ class EtcdRendezvous:
         self.node_id = config.node_id
         self._rules = d.RoundRules(config.min_nodes, config.max_nodes, config.min_workers,
                                    config.max_workers, config.settle_s, config.settle_max_s,
-                                   config.drain_timeout_s)
+                                   config.drain_timeout_s, config.suspect_grace_s)
         self.mirror = PrefixMirror(client, self.prefix, ignore=p.is_passive_key, clock=clock)
         self.newcomers = Newcomers(self.mirror, config, clock)
         self.lease: KeptLease | None = None
@@ -192,6 +192,25 @@ class EtcdRendezvous:
     def open_next(self, seen: RoundView, cause: p.Cause) -> bool:
         return self._cas_round(seen, p.RoundState(seen.state.number + 1, p.OPEN, cause.text()))
 
+    def suspect(self, plan: p.Plan, cause: p.Cause) -> None:
+        """Open the round after `plan` now: a survivor's collective failed (issue 15).
+
+        `cause` (CauseKind.MEMBER_SUSPECTED, saying who saw what) is what the round
+        records; a member of `plan` that does not join it within --suspect-grace is
+        left out (decisions.suspect_left_out), so nobody waits for a dead node's
+        lease. The same compare-and-swap as open_next; when another agent opened
+        a later round first (or the run ended), there is nothing to do. Every
+        agent, this one too, then joins the open round through next_plan.
+        """
+        if cause.kind is not p.CauseKind.MEMBER_SUSPECTED:
+            raise ValueError(f"suspect() records a {p.CauseKind.MEMBER_SUSPECTED.value} "
+                             f"cause, not {cause.kind.value!r}")
+        for _ in range(3):  # a lost race re-reads: the winner's write ends it
+            seen = self.current_round()
+            if not d.suspicion_opens(seen.state if seen else None, plan.round) or \
+                    self.open_next(seen, cause):
+                return
+
     def _join(self, seen: RoundView) -> None:
         port = self._config.master_port or free_port(self._config.node_addr)
         joiner = p.Joiner(self.node_id, self._config.node_addr, port, self._config.nproc,
@@ -302,7 +321,7 @@ class EtcdRendezvous:
         wait = self._wait_without_looking(number)
         if wait is not None:
             return wait
-        look, previous, closer = self._look_at_open_round(number, deadline)
+        look, previous, closer = self._look_at_open_round(seen, deadline)
         now = self._clock()
         inputs, timers = d.close_inputs(look, now, self._rules)
         waits = [w for w in timers if w > 0]
@@ -324,8 +343,9 @@ class EtcdRendezvous:
             look.min_met_at is not None, now + min(waits, default=float("inf")))
         return min(waits + [1.0])
 
-    def _look_at_open_round(self, number: int, deadline: float):
+    def _look_at_open_round(self, seen: RoundView, deadline: float):
         """Read our copy once: the open round as values, its previous plan, its closer."""
+        number = seen.state.number
         joins = self.mirror.children(p.join_prefix(self.prefix, number))
         joined = frozenset(p.node_id_from_key(kv.key) for kv in joins)
         # Parsing every join record is only needed to count workers (and to close).
@@ -344,7 +364,9 @@ class EtcdRendezvous:
         previous = self.plan(number - 1) if number > 0 else None
         look = d.RoundLook(joined, workers, self.newcomers.registered(),
                            previous.node_ids if previous else None,
-                           self._min_met_at.get(number), opened_at, deadline)
+                           self._min_met_at.get(number), opened_at, deadline,
+                           suspected=p.Cause.parse(seen.state.cause).kind
+                           is p.CauseKind.MEMBER_SUSPECTED)
         closer = d.elect_closer((p.node_id_from_key(kv.key), kv.create_revision) for kv in joins)
         return look, previous, closer
 

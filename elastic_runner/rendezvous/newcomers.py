@@ -11,6 +11,11 @@ backup: it cannot know how old the keys it found when it started are, so it
 counts them as just seen and waits up to the settle time. Opening is a
 compare-and-swap on the round key, so when both try, one round opens. Only one
 member tries, so a thousand members do not send a thousand transactions.
+
+A member that a round closed for a suspicion left out (decisions.py:
+`left_out_on_suspicion`) is no newcomer to the first member: its key may only
+be waiting for its lease to expire, and a round opened for it would wait for
+it until then. If it is alive it opens the round itself (the backup rule).
 """
 
 from __future__ import annotations
@@ -74,14 +79,22 @@ class Newcomers:
         return wait
 
     def _waiting(self, plan: p.Plan) -> list[str]:
-        """Live nodes outside `plan` that would fit into it."""
-        in_plan = set(plan.node_ids)
+        """Live nodes outside `plan` that would fit into it (not those it left out
+        on a suspicion)."""
+        in_plan = set(plan.node_ids) | d.left_out_on_suspicion(plan, self._previous(plan))
         waiting = []
         for kv in self._mirror.children(self._nodes):
             node = p.node_id_from_key(kv.key)
             if node not in in_plan and self.has_room(plan, _nproc(kv.value)):
                 waiting.append(node)
         return waiting
+
+    def _previous(self, plan: p.Plan) -> p.Plan | None:
+        """The plan before `plan`, as our copy of etcd holds it (plans stay for the run)."""
+        if plan.round == 0:
+            return None
+        kv = self._mirror.get(p.plan_key(self._config.prefix, plan.round - 1))
+        return p.Plan.from_json(kv.value) if kv else None
 
 
 def _nproc(raw: bytes) -> int:

@@ -36,6 +36,11 @@ Choices written down here:
   not times, order registrations (rank order, first joiner).
 - A restart is counted only when workers failed and no member was lost: a crash
   that follows from a node vanishing is a membership change, not a failure.
+- A round opened because a survivor's collective failed (MEMBER_SUSPECTED) does
+  not wait for the dead node's lease: a member of the previous plan that has not
+  joined within --suspect-grace of the round opening is left out (decisions.py:
+  `suspect_left_out`). One wrongly dropped, being alive, joins the next round
+  the way a newcomer does.
 """
 
 from __future__ import annotations
@@ -168,6 +173,10 @@ class CauseKind(enum.Enum):
 
     START = "start"
     MEMBER_LOST = "member-lost"
+    # A survivor's collective failed (a peer died or hung) before any lease expired:
+    # evidence, not proof. The detail says who saw what; decisions.py says how long
+    # the round waits for the previous plan's members (--suspect-grace).
+    MEMBER_SUSPECTED = "member-suspected"
     NEWCOMER = "newcomer"
     WORKER_FAILURE = "worker-failure"
     NOTICE = "workers checkpointed and stopped for a spot notice"
@@ -206,6 +215,11 @@ class Cause:
     @staticmethod
     def member_lost(nodes) -> "Cause":
         return Cause(CauseKind.MEMBER_LOST, ",".join(nodes))
+
+    @staticmethod
+    def member_suspected(observer: str, what: str) -> "Cause":
+        """A survivor's evidence: `observer` (node, rank) saw `what` (a failed collective)."""
+        return Cause(CauseKind.MEMBER_SUSPECTED, f"{observer}: {what}" if what else observer)
 
     @staticmethod
     def parse(text: str) -> "Cause":

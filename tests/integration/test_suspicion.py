@@ -1,0 +1,183 @@
+"""Suspicion against a real etcd (issue 15): a survivor's failed collective opens the
+next round at once, and the round does not wait for the dead node's lease.
+
+A SIGKILLed node is simulated by a node that stops taking part (its agent loop
+ends) while its lease is kept alive and is long (30 s): lease expiry can never
+be what drops it. Tests wait on outcomes with deadlines, never on sleeps, and
+assert rounds and members, not times.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elastic_runner.config import EtcdConfig, RendezvousConfig
+from elastic_runner.etcd.client import EtcdClient
+from elastic_runner.rendezvous import protocol as p
+from elastic_runner.rendezvous.engine import EtcdRendezvous
+
+LEASE_TTL_S = 30  # far beyond every wait below: a lease never expires in these tests
+
+
+class Agent:
+    """One node's rendezvous loop without workers (as the agent runs it): take a plan,
+    watch it, join the next round when it stops holding. `hang()` ends the loop
+    without leaving (the node is silent, its key stays); `resume()` starts it again
+    from the last plan it held."""
+
+    def __init__(self, endpoint: str, run_id: str, node_id: str, **overrides):
+        self.client = EtcdClient(EtcdConfig((endpoint,), timeout_s=5.0, retry_deadline_s=10.0))
+        config = RendezvousConfig(run_id, node_id, **{
+            "min_nodes": 2, "max_nodes": 3, "lease_ttl_s": LEASE_TTL_S, "settle_s": 0.5,
+            "join_timeout_s": 60, **overrides})
+        self.rdzv = EtcdRendezvous(self.client, config,
+                                   p.JobSpec(config.min_nodes, config.max_nodes, "test"), 0)
+        self.plans: list[p.Plan] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def plan(self) -> p.Plan | None:
+        return self.plans[-1] if self.plans else None
+
+    def start(self) -> "Agent":
+        self.rdzv.register()
+        return self._run(None)
+
+    def hang(self) -> None:
+        self._stop.set()
+        self.rdzv.mirror.wake()
+        self._thread.join(timeout=10)
+        assert not self._thread.is_alive()
+        self._stop.clear()
+
+    def resume(self) -> "Agent":
+        return self._run(self.plan)
+
+    def _run(self, plan: p.Plan | None) -> "Agent":
+        self._thread = threading.Thread(target=self._loop, args=(plan,), daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self, plan: p.Plan | None) -> None:
+        try:
+            if plan is None:
+                plan = self._take(self.rdzv.next_plan(None, p.Cause(p.CauseKind.START)))
+            while not self._stop.is_set():
+                generation = self.rdzv.mirror.generation
+                reason = self.rdzv.change_reason(plan)
+                if reason is not None:
+                    plan = self._take(self.rdzv.next_plan(plan, reason))
+                else:
+                    self.rdzv.mirror.wait(0.1, generation)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            if not self._stop.is_set():
+                self.error = exc
+
+    def _take(self, plan: p.Plan) -> p.Plan:
+        self.plans.append(plan)
+        return plan
+
+    def close(self) -> None:
+        self._stop.set()
+        self.rdzv.shutdown.set()
+        self.rdzv.mirror.wake()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.rdzv.leave()
+        self.client.close()
+
+
+@pytest.fixture
+def agents(etcd):
+    made: list[Agent] = []
+
+    def start(run: str, *node_ids: str, **overrides) -> list[Agent]:
+        new = [Agent(etcd.endpoint, run, node_id, **overrides) for node_id in node_ids]
+        made.extend(new)
+        for agent in new:
+            agent.start()
+        return new
+
+    yield start
+    for agent in made:
+        agent.close()
+
+
+def held_by_all(agents: list[Agent], number: int, timeout_s: float = 30) -> p.Plan:
+    """The plan of round `number` once every agent holds it (each its newest)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        errors = [agent.error for agent in agents if agent.error]
+        assert not errors, errors
+        plans = [agent.plan for agent in agents]
+        if all(plan is not None and plan.round == number for plan in plans):
+            assert len({plan.to_json() for plan in plans}) == 1  # one plan, not several
+            return plans[0]
+        newest = [(plan.round, plan.node_ids) if plan else None for plan in plans]
+        assert time.monotonic() < deadline, f"no agreement on round {number}: {newest}"
+        time.sleep(0.02)
+
+
+def suspicion(observer: Agent) -> p.Cause:
+    return p.Cause.member_suspected(f"{observer.rdzv.node_id} rank 0", "allreduce timed out")
+
+
+def test_a_silent_member_is_left_out_after_the_grace_and_gets_back_in(agents):
+    a, b, c = agents("silent", "a", "b", "c")
+    start = held_by_all([a, b, c], 0)
+    assert start.node_ids == ("a", "b", "c")
+    c.hang()  # as if SIGKILLed: no more joins, but its lease (30 s) lives on
+    a.rdzv.suspect(start, suspicion(a))
+    b.rdzv.suspect(start, suspicion(b))  # a second survivor's evidence opens nothing more
+    shrunk = held_by_all([a, b], 1)
+    assert shrunk.node_ids == ("a", "b")  # survivors keep their order
+    assert shrunk.world_size == 2 and shrunk.restart_count == 0
+    assert p.Cause.parse(shrunk.cause).kind is p.CauseKind.MEMBER_SUSPECTED
+    assert c.rdzv.mirror.get(p.node_key(c.rdzv.prefix, "c")) is not None  # no lease expired
+    # The first member opens no round for c while c is silent: its key may be a dead
+    # node's, waiting for its lease, and such a round would wait for it.
+    assert a.rdzv.newcomers.members_wait(shrunk) is None
+    assert a.rdzv.current_round().state.number == 1
+    # c was only slow: it finds itself outside the plan and gets back in.
+    c.resume()
+    grown = held_by_all([a, b, c], 2)
+    assert grown.node_ids == ("a", "b", "c")
+    assert p.Cause.parse(grown.cause).kind is p.CauseKind.NEWCOMER
+    assert grown.restart_count == 0
+
+
+def test_a_suspicion_where_everyone_is_alive_drops_nobody(agents):
+    a, b, c = agents("alive", "a", "b", "c", suspect_grace_s=5.0)
+    start = held_by_all([a, b, c], 0)
+    a.rdzv.suspect(start, suspicion(a))
+    again = held_by_all([a, b, c], 1)
+    assert again.node_ids == start.node_ids and again.restart_count == 0
+
+
+def test_a_suspected_round_does_not_close_below_the_minimum(agents):
+    """With --min-nodes 3, the two survivors wait rather than train without c."""
+    a, b, c = agents("minimum", "a", "b", "c", min_nodes=3, suspect_grace_s=0.2,
+                     join_timeout_s=5)
+    start = held_by_all([a, b, c], 0)
+    c.hang()
+    a.rdzv.suspect(start, suspicion(a))
+    deadline = time.monotonic() + 30
+    while not (a.error and b.error):
+        assert time.monotonic() < deadline, "the survivors neither timed out nor failed"
+        time.sleep(0.02)
+    assert "--min-nodes 3" in str(a.error) and "--min-nodes 3" in str(b.error)
+    assert a.plan.round == b.plan.round == 0
+    assert a.rdzv.plan(1) is None
+
+
+def test_suspect_records_only_a_suspicion(agents):
+    a, b = agents("kind", "a", "b", max_nodes=2)
+    start = held_by_all([a, b], 0)
+    with pytest.raises(ValueError):
+        a.rdzv.suspect(start, p.Cause(p.CauseKind.NEWCOMER))
+    assert a.rdzv.current_round().state.number == 0
