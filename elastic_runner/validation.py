@@ -84,6 +84,7 @@ NUMBER_BOUNDS = (
     Bound("join_timeout", "--join-timeout", _positive, "a positive number of seconds"),
     Bound("settle", "--settle", _non_negative, "0 or more seconds"),
     Bound("settle_max", "--settle-max", _non_negative, "0 or more seconds"),
+    Bound("suspect_grace", "--suspect-grace", _non_negative, "0 or more seconds"),
     Bound("etcd_timeout", "--etcd-timeout", _positive, "a positive number of seconds"),
     Bound("max_restarts", "--max-restarts", lambda v: v >= 0, "0 or more"),
     Bound("min_workers", "--min-workers", lambda v: v >= 0, "0 (no bound) or more"),

@@ -128,6 +128,10 @@ RENDEZVOUS = (
               "with no new node (default 2)"),
     flag("--settle-max", type=float, help="longest a stream of arrivals may hold a round "
          f"open (default {DEFAULT_SETTLE_MAX_S:g}, or --settle if larger)"),
+    flag("--suspect-grace", type=float, default=1.0,
+         help="a round opened because a survivor's collective failed leaves out "
+              "members that have not joined after this many seconds, instead of "
+              "waiting --lease-ttl for a dead node (default 1)"),
     flag("--master-addr", help="address peers use to reach this node's "
          "process-group store (default: the interface that reaches etcd)"),
     flag("--master-port", type=int,

@@ -67,6 +67,7 @@ def build_config(args, environ: Mapping[str, str], gpu_count: int) -> AgentConfi
         args.master_port, drain_timeout_s=args.notice_deadline + args.stop_grace, nproc=nproc,
         min_workers=args.min_workers, max_workers=args.max_workers,
         settle_max_s=settle_cap(args.settle, args.settle_max),
+        suspect_grace_s=args.suspect_grace,
         labels=tuple(sorted(parse_label(t, "--node-label") for t in args.node_label)),
         rank0_prefer=None if args.rank0_prefer in ("", "none")
         else parse_label(args.rank0_prefer, "--rank0-prefer"))

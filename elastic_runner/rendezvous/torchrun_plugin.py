@@ -13,6 +13,8 @@ agent, transactional round closing) into an unmodified torchrun:
   settle         s (2): once --nnodes' minimum joined, close after this long
                  with no new node
   settle_max     s (30): longest a stream of arrivals holds a round open
+  suspect_grace  s (1): how long a round opened on a suspicion waits for the
+                 previous members (torch's agent never raises one today)
   join_timeout   s: rendezvous gives up below the minimum after this long;
                  default: `timeout`, which torchrun always sets (900 unless
                  --rdzv-timeout / rdzv-conf timeout says otherwise)
@@ -72,8 +74,8 @@ FINGERPRINT = "torchrun"
 # torchrun counts worker failures against --max-restarts itself and this handler
 # never reports one, so the protocol's own restart limit is never reached.
 _MAX_RESTARTS_UNUSED = 0
-KNOWN_CONFIG = {"lease_ttl", "settle", "settle_max", "join_timeout", "timeout", "store_timeout",
-                "etcd_timeout", "node_id", "local_addr", "master_port", "nproc",
+KNOWN_CONFIG = {"lease_ttl", "settle", "settle_max", "suspect_grace", "join_timeout", "timeout",
+                "store_timeout", "etcd_timeout", "node_id", "local_addr", "master_port", "nproc",
                 "cacert", "cert", "key"}
 # The one key without a launcher flag; c10d's rendezvous uses the same default.
 STORE_TIMEOUT = Bound("store_timeout", "--rdzv-conf store_timeout",
@@ -290,6 +292,7 @@ def rendezvous_config(params: RendezvousParameters) -> RendezvousConfig:
             min_nodes=params.min_nodes, max_nodes=params.max_nodes,
             lease_ttl_s=_checked(params, "lease_ttl", 5, whole=True),
             join_timeout_s=join_timeout, settle_s=settle, settle_max_s=settle_max,
+            suspect_grace_s=_checked(params, "suspect_grace", 1.0),
             node_addr=params.local_addr or params.get("local_addr") or socket.getfqdn(),
             master_port=_checked(params, "master_port", None, whole=True),
             nproc=_checked(params, "nproc", 1, whole=True),

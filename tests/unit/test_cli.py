@@ -278,6 +278,18 @@ def test_flag_values_reach_config(script, tmp_path):
     assert config.verbosity == 0
 
 
+
+def test_suspect_grace_from_flag_env_and_default(script):
+    """--suspect-grace (issue 15): flag over ELASTIC_RUN_SUSPECT_GRACE over 1 s."""
+    assert config_for([script]).rendezvous.suspect_grace_s == 1.0
+    environ = {"ELASTIC_RUN_SUSPECT_GRACE": "0.25"}
+    assert config_for([script], environ).rendezvous.suspect_grace_s == 0.25
+    assert config_for(["--suspect-grace", "0", script], environ).rendezvous.suspect_grace_s == 0
+    with pytest.raises(ConfigError) as info:
+        config_for(["--suspect-grace", "-1", script])
+    assert str(info.value) == "--suspect-grace -1: need 0 or more seconds"
+
+
 # ---- password -------------------------------------------------------------------
 def test_password_from_file_not_in_repr(script, tmp_path):
     secret = tmp_path / "pw"
