@@ -42,6 +42,11 @@ class Rendezvous(Protocol):
     def change_reason(self, plan: Plan) -> Cause | None:
         """Why `plan`'s workers must stop now, or None while it holds."""
 
+    def suspect(self, plan: Plan, cause: Cause) -> None:
+        """Open the round after `plan` now: a local worker saw a collective fail
+        (`cause` is CauseKind.MEMBER_SUSPECTED); members that do not join it within
+        a short bound are left out. A no-op when a later round is already open."""
+
     def report_failure(self, number: int, failure: dict) -> None: ...
 
     def publish_event(self, record: dict) -> None: ...
@@ -89,6 +94,9 @@ class Workers(Protocol):
         """True once every worker exited, False if some still run after `timeout_s`."""
 
     def stop(self, grace_s: float) -> None: ...
+
+    def reassign(self, plan: Plan, node_id: str) -> None:
+        """The same processes now hold this node's ranks of `plan` (re-formed in place)."""
 
 
 class StartWorkers(Protocol):

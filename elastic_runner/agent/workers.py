@@ -143,15 +143,14 @@ class _Worker:
             pump.start()
 
     def _pump(self, source, sink, tail, log_file, echo) -> None:
-        prefix = f"[rank{self.ranks.rank}]: "
         for raw in iter(source.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             if tail is not None:
                 tail.append(line)
             if log_file:
                 log_file.write(line + "\n")
-            if echo:
-                sink.write(prefix + line + "\n")
+            if echo:  # the rank of now: an in-process re-formation changes it
+                sink.write(f"[rank{self.ranks.rank}]: {line}\n")
                 sink.flush()
         source.close()
 
@@ -252,6 +251,20 @@ class WorkerGroup:
                 return True
             time.sleep(0.02)
         return all(e is not None for e in self.poll())
+
+    def reassign(self, plan: Plan, node_id: str) -> None:
+        """The same processes now hold this node's ranks of `plan` (in-process re-formation).
+
+        Why: failure messages, the stall check and the output prefix name a worker by
+        its global rank, which a resize changes while the process lives on. A worker
+        keeps its local rank; the log and error files it was started with stay its own.
+        """
+        ranks = assign_ranks(plan, node_id)
+        if len(ranks) != len(self._workers):
+            raise ValueError(f"round {plan.round} gives node {node_id} {len(ranks)} workers; "
+                             f"{len(self._workers)} are running")
+        for worker, assigned in zip(self._workers, ranks):
+            worker.ranks = assigned
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM, then SIGKILL whatever is left after the grace period."""

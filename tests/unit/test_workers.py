@@ -72,3 +72,43 @@ def test_init_warns_when_the_script_hand_typed_another_rank(monkeypatch, caplog,
 def test_several_workers_per_node_get_one_omp_thread_unless_told_otherwise():
     assert {e["OMP_NUM_THREADS"] for e in envs("a", gpu_count=0)} == {"1"}
     assert {e["OMP_NUM_THREADS"] for e in envs("a", 0, {"OMP_NUM_THREADS": "3"})} == {"3"}
+
+
+def test_workers_get_the_reform_channel_and_the_collective_timeout():
+    job = WorkerEnv(run_id="job7", reform_dir="/scratch/reform", collective_timeout_s=20)
+    config = WorkerConfig(argv=("python", "train.py"), nproc=4, fingerprint="f")
+    got = [worker_env({}, PLAN, ranks, job, config) for ranks in assign_ranks(PLAN, "a")]
+    assert {(e["ELASTIC_RUN_REFORM_DIR"], e["ELASTIC_RUN_COLLECTIVE_TIMEOUT"]) for e in got} == \
+        {("/scratch/reform", "20")}
+
+
+class _ExitedProcess:
+    """A worker process that already exited with `code` (no real process)."""
+
+    def __init__(self, code: int):
+        import io
+
+        self.pid, self.returncode = 4242, code
+        self.stdout, self.stderr = io.BytesIO(b""), io.BytesIO(b"boom\n")
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+def test_a_re_formed_group_names_its_workers_by_their_new_global_ranks():
+    import pytest
+
+    from elastic_runner.agent.workers import WorkerGroup, _Worker
+
+    # Node b held ranks 4..7; node a left, so b now holds 0..3 in the same processes.
+    workers = [_Worker(ranks, _ExitedProcess(3 if ranks.local_rank == 2 else 0), None, False)
+               for ranks in assign_ranks(PLAN, "b")]
+    group = WorkerGroup(workers)
+    smaller = Plan(round=4, members=(Member("b", 0, 4, "10.0.0.2", 0),), master_addr="10.0.0.2",
+                   master_port=29501)
+    group.reassign(smaller, "b")
+    failure = group.first_failure()
+    assert (failure.rank, failure.local_rank, failure.exit_code) == (2, 2, 3)
+    assert failure.as_failure("b")["stderr_tail"] == ["boom"]
+    with pytest.raises(ValueError, match="gives node b 2 workers; 4 are running"):
+        group.reassign(Plan(5, (Member("b", 0, 2, "10.0.0.2", 0),), "10.0.0.2", 29502), "b")
