@@ -5,6 +5,11 @@ plan's ranks, watch them and the membership, and on any change stop the workers
 at once and go round again. Worker failures are reported to etcd so the job-wide
 restart count (decided by whoever closes the next round) names the real culprit.
 
+Workers that report through the re-formation channel (reform.py; scripts written
+with `@er.elastic`) are not stopped on a membership change: they pause, are told
+their new ranks and go on in their own processes (reform_driver.py). This module
+only decides when that applies; whatever goes wrong there falls back to the restart.
+
 A spot notice (SIGTERM with --notice-deadline > 0, --notice-file appearing, or
 `elastic-run notice`) is announced in etcd; every agent of the round then drops
 a notice file its workers check at each step boundary (see runtime.py), so rank
@@ -27,10 +32,13 @@ from tenacity import (
     Retrying, retry_if_exception_type, stop_after_delay, stop_when_event_set, wait_fixed,
 )
 
-from elastic_runner import contract
+from elastic_runner import contract, reform
 from elastic_runner.agent import drain
 from elastic_runner.agent.cloud_notice import CloudNoticeWatcher
 from elastic_runner.agent.ports import NoticeWatcher, Rendezvous, StartWorkers, Workers
+from elastic_runner.agent.reform_driver import (
+    InProcessReform, ReformBounds, ReformContext, round_fields,
+)
 from elastic_runner.config import AgentConfig, EtcdConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE, read_progress
 from elastic_runner.errors import (
@@ -49,6 +57,9 @@ log = logging.getLogger("elastic_runner")
 
 SUCCEEDED, FAILED, CHANGED, SHUTDOWN, NOTICE = "succeeded", "failed", "changed", "shutdown", \
     "notice"
+# REFORM: the plan changed and the workers can re-form in place. GONE: they could not
+# (they were stopped, or left a round without this node); the restart path goes on.
+REFORM, GONE = "reform", "gone"
 # Seconds between pings while the workers are stopped for an etcd outage.
 ETCD_RETRY_S = 0.5
 
@@ -56,7 +67,7 @@ ETCD_RETRY_S = 0.5
 @dataclass(frozen=True)
 class Outcome:
     kind: str
-    reason: Cause | None = None  # CHANGED: why the plan stopped holding
+    reason: Cause | None = None  # CHANGED, REFORM, GONE: why the plan stopped holding
     failure: WorkerExit | None = None
 
 
@@ -90,6 +101,13 @@ class Agent:
         self._cloud_watcher = cloud_watcher
         self._signal: int | None = None
         self._signal_seen = threading.Event()
+        self._reform = InProcessReform(ReformContext(
+            reform.ReformChannel(Path(self._job.reform_dir)), rendezvous, self.events,
+            config.rendezvous.node_id, ReformBounds.from_config(config), self._signal_seen,
+            config.workers.stop_grace_s, config.max_restarts, self.progress_dir,
+            self._notice_path))
+        self._paused_at = time.monotonic()  # when the workers last stopped training
+        self._plan: Plan | None = None  # the round this node's workers are in
         # How long workers keep training while etcd does not answer.
         self._etcd_grace_s = config.rendezvous.etcd_grace_s
 
@@ -162,7 +180,7 @@ class Agent:
 
     def _rounds(self) -> int:
         previous: Plan | None = None
-        cause, paused_at = Cause(CauseKind.START), time.monotonic()
+        cause = Cause(CauseKind.START)
         while True:
             try:
                 plan = self.rendezvous.next_plan(previous, cause)
@@ -170,20 +188,33 @@ class Agent:
                 self._wait_for_etcd(exc)
                 continue
             self._write_password_file()
-            group = self._start(plan, previous, paused_at)
+            group = self._start(plan, previous, self._paused_at)
+            self._plan = plan
             try:
-                outcome = self._monitor(group, plan)
-                paused_at = time.monotonic()
+                outcome = self._train(group)
                 if outcome.kind in (SUCCEEDED, SHUTDOWN, NOTICE):
-                    return self._leave(outcome, group, plan)
-                cause = self._wind_down(outcome, group, plan)
+                    return self._leave(outcome, group, self._plan)
+                cause = self._wind_down(outcome, group, self._plan)
             except EtcdUnavailable as exc:
                 group.stop(self._config.workers.stop_grace_s)
                 self._wait_for_etcd(exc)
                 cause = Cause(CauseKind.ETCD_OUTAGE)
             finally:
                 self._password_file.unlink(missing_ok=True)
-            previous = plan
+            previous = self._plan
+
+    def _train(self, group: Workers) -> Outcome:
+        """Watch the workers through as many in-process re-formations as they manage
+        (`self._plan` follows them); return why they stopped."""
+        while True:
+            outcome = self._monitor(group, self._plan)
+            self._paused_at = time.monotonic()
+            if outcome.kind != REFORM:
+                return outcome
+            reformed = self._reform.run(group, self._plan, outcome.reason, self._paused_at)
+            if reformed is None:
+                return Outcome(GONE, outcome.reason)
+            self._plan = reformed
 
     def _leave(self, outcome: Outcome, group: Workers, plan: Plan) -> int:
         if outcome.kind == SHUTDOWN:
@@ -197,6 +228,8 @@ class Agent:
 
     def _wind_down(self, outcome: Outcome, group: Workers, plan: Plan) -> Cause:
         """Stop this round's workers; return why, for the next round's record."""
+        if outcome.kind == GONE:
+            return outcome.reason  # the re-formation already stopped them, or they left
         if outcome.kind == FAILED:
             group.stop(self._config.workers.stop_grace_s)
             return self._record_failure(plan, outcome.failure)
@@ -256,12 +289,8 @@ class Agent:
         for stale in self.progress_dir.glob("rank*.json"):
             stale.unlink(missing_ok=True)  # last round's progress must not look hung
         self._notice_path.unlink(missing_ok=True)
-        self.events.emit("round_closed", round=plan.round, world_size=plan.world_size,
-                         master=f"{plan.master_addr}:{plan.master_port}", cause=plan.cause,
-                         restart_count=plan.restart_count,
-                         members=[{"node": m.node_id, "node_rank": m.node_rank,
-                                   "first_rank": m.first_rank, "nproc": m.nproc}
-                                  for m in plan.members])
+        self._reform.reset()  # fresh processes: a clean channel, capable once they report
+        self.events.emit("round_closed", **round_fields(plan))
         group = self._start_workers(plan, self._rdzv_config.node_id, self._job,
                                     self._config.workers, self._base_env,
                                     echo=self._config.verbosity >= 1, error_dir=self._error_dir)
@@ -292,9 +321,15 @@ class Agent:
             if group.stopped_for_resize():
                 return Outcome(CHANGED, Cause(CauseKind.NOTICE))
             reason = self.rendezvous.change_reason(plan)
+            leaving = self.rendezvous.notices(plan)  # read before capable: see _relay_notices
+            capable = self._reform.capable(plan, len(group.pids))
             if reason is not None:
-                return Outcome(CHANGED, reason)
-            self._relay_notices(plan)
+                return Outcome(REFORM if capable else CHANGED, reason)
+            if capable:  # their own pause, or a peer's notice, starts a re-formation
+                reason = self._reform.trigger(plan, leaving)
+                if reason is not None:
+                    return Outcome(REFORM, reason)
+            self._relay_notices(leaving)
             self.rendezvous.wait_for_change(self._config.workers.monitor_interval_s, marker)
 
     def _hung_worker(self, group: Workers) -> WorkerExit | None:
@@ -340,8 +375,11 @@ class Agent:
             return True
         return False
 
-    def _relay_notices(self, plan: Plan) -> None:
-        leaving = self.rendezvous.notices(plan)
+    def _relay_notices(self, leaving: list[str]) -> None:
+        """Workers that cannot re-form in place stop at their next step boundary.
+
+        `leaving` is read before the workers' capability, so a notice is relayed only
+        to workers that had not all reported TRAINING when it was seen."""
         if leaving and not self._notice_path.exists():
             log.info("spot notice from %s: asking workers to checkpoint at the next step",
                      ", ".join(leaving))
@@ -433,5 +471,7 @@ def job_env(config: AgentConfig, etcd: EtcdConfig, scratch: Path,
         etcd_password_file=str(scratch / contract.PASSWORD_FILE) if etcd.password else "",
         notice_path=str(scratch / contract.NOTICE_FILE),
         progress_dir=str(scratch / contract.PROGRESS_DIR),
-        events_path=str(events_path) if events_path is not None else "")
+        events_path=str(events_path) if events_path is not None else "",
+        reform_dir=str(scratch / reform.REFORM_DIR),
+        collective_timeout_s=config.rendezvous.collective_timeout_s)
 

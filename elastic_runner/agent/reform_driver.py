@@ -1,0 +1,295 @@
+"""In-process re-formation, the agent's half (issue 15): workers keep their processes.
+
+Why a module of its own: agent.py decides *when* (its monitor sees the change); this
+module does the *how*, one bounded sequence per round, and reports it in events.
+
+When. Every local worker of the round has reported TRAINING for it through the
+channel (reform.py): the group is *capable*. Then any of these starts a re-formation:
+the plan stops holding (`change_reason`: a newcomer, a member lost), a peer announced
+its departure (a spot notice in etcd), or a local worker paused on its own. A pause
+with a collective error is evidence that a member died: the rendezvous hears it
+(`suspect`) so the next round opens now instead of after a lease expires. A group
+that is not capable (a plain script never reports) keeps the restart path, unchanged.
+
+The sequence (`InProcessReform.run`), for round r:
+1. ask the workers to pause at their next step boundary (`ask_pause(r)`);
+2. join the next round (`next_plan`) at once, before the pause completes: a round
+   opened on suspicion leaves out members that have not joined within
+   --suspect-grace (1 s), and a worker blocked in a collective with a frozen peer
+   pauses only when that collective times out (`collective_timeout_s`);
+3. wait until every local worker reported PAUSED for r, or exited: at most
+   `pause_s`;
+4. write each worker its place in the new round (same local rank, new global rank),
+   or, when this node is not in it, `leave` and wait for them to exit;
+5. wait until every worker reported TRAINING for the new round: at most `form_s`.
+Anything that goes wrong on the way (a worker FAILED or exited, a bound passed, this
+node's worker count changed) ends in the fallback: the workers are stopped and the
+agent takes the restart path for that round, with one log line and one
+`reform_fallback` event. A signal, an etcd outage or the end of the run raised by
+the rendezvous stops the workers and goes on up, as on the restart path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from elastic_runner.agent.ports import Rendezvous, Workers
+from elastic_runner.config import AgentConfig
+from elastic_runner.contract import EXIT_FOR_RESIZE
+from elastic_runner.errors import RendezvousError, ShutdownRequested
+from elastic_runner.events import EventLog
+from elastic_runner.reform import FAILED, PAUSED, TRAINING, Assignment, ReformChannel, WorkerState
+from elastic_runner.rendezvous.protocol import Cause, CauseKind, Plan, assign_ranks, plan_problem
+
+log = logging.getLogger("elastic_runner")
+
+# How often the channel is read while waiting: a read is a stat and a small JSON
+# parse per worker, and every millisecond here is a millisecond of paused training.
+POLL_S = 0.005
+
+
+class ReformFallback(Exception):
+    """A step of the re-formation failed; the restart path takes this round.
+
+    Internal: caught by `InProcessReform.run`, never shown to a user as an error.
+    """
+
+
+@dataclass(frozen=True)
+class ReformBounds:
+    """How long each wait of the sequence may take before the restart path takes over."""
+
+    pause_s: float  # every worker PAUSED (or exited) after ask_pause
+    form_s: float  # every worker TRAINING in the new round after its assignment
+    leave_s: float  # every worker exited after Assignment(leave=True)
+
+    @classmethod
+    def from_config(cls, config: AgentConfig) -> ReformBounds:
+        """Derived from the rendezvous' own patience.
+
+        pause: --drain-timeout, the time a new round waits for the last plan's members;
+        a worker that has not reached a step boundary (nor given up on a collective,
+        `collective_timeout_s`, below it for TTLs up to 7 s) by then is stuck in user
+        code. form: a newcomer's processes start within the same patience, and the new
+        process group then forms within one collective timeout. leave: a paused worker
+        reads its assignment within milliseconds; the pause's bound is ample.
+        """
+        rdzv = config.rendezvous
+        return cls(pause_s=rdzv.drain_timeout_s,
+                   form_s=rdzv.drain_timeout_s + rdzv.collective_timeout_s,
+                   leave_s=rdzv.drain_timeout_s)
+
+
+def round_fields(plan: Plan) -> dict:
+    """The fields of a `round_closed` event, on either path."""
+    return {"round": plan.round, "world_size": plan.world_size,
+            "master": f"{plan.master_addr}:{plan.master_port}", "cause": plan.cause,
+            "restart_count": plan.restart_count,
+            "members": [{"node": m.node_id, "node_rank": m.node_rank,
+                         "first_rank": m.first_rank, "nproc": m.nproc} for m in plan.members]}
+
+
+def _in_round(state: WorkerState | None, number: int, phases: tuple[str, ...]) -> bool:
+    return state is not None and state.round == number and state.phase in phases
+
+
+@dataclass(frozen=True)
+class ReformContext:
+    """What the sequence needs from its agent."""
+
+    channel: ReformChannel
+    rendezvous: Rendezvous
+    events: EventLog
+    node_id: str
+    bounds: ReformBounds
+    stop_requested: threading.Event  # a signal arrived: stop waiting at once
+    stop_grace_s: float
+    max_restarts: int
+    progress_dir: Path  # workers' progress files, named by global rank
+    notice_path: Path  # the spot-notice marker
+
+
+class InProcessReform:
+    """One node's in-process re-formations, round after round."""
+
+    def __init__(self, context: ReformContext):
+        self._ctx = context
+        self._capable_round: int | None = None
+
+    def reset(self) -> None:
+        """Fresh workers start (the restart path): forget every report."""
+        self._ctx.channel.reset()
+        self._capable_round = None
+
+    def capable(self, plan: Plan, workers: int) -> bool:
+        """Every local worker reported TRAINING for `plan`'s round (a later PAUSED for
+        it counts too: only a worker that trained in the round can pause it)."""
+        if self._capable_round == plan.round:
+            return True
+        states = self._ctx.channel.states()
+        if workers > 0 and all(_in_round(states.get(local), plan.round, (TRAINING, PAUSED))
+                               for local in range(workers)):
+            self._capable_round = plan.round
+            return True
+        return False
+
+    def trigger(self, plan: Plan, notices: list[str]) -> Cause | None:
+        """A reason to re-form that the plan itself does not show yet, or None."""
+        node = self._ctx.node_id
+        paused = sorted((local, state) for local, state in self._ctx.channel.states().items()
+                        if _in_round(state, plan.round, (PAUSED,)))
+        for local, state in paused:
+            if state.saw_collective_error:
+                return Cause.member_suspected(f"{node} local rank {local}", state.reason)
+        leaving = [other for other in notices if other != node]
+        if leaving:
+            return Cause(CauseKind.NOTICE, ",".join(leaving))
+        if paused:  # a peer's stop reached our workers before its notice reached us
+            local, state = paused[0]
+            return Cause(CauseKind.OTHER,
+                         f"{node} local rank {local} paused ({state.reason or 'no reason'})")
+        return None
+
+    # ---- the sequence -----------------------------------------------------------
+    def run(self, group: Workers, plan: Plan, cause: Cause, paused_at: float) -> Plan | None:
+        """Re-form `group` from `plan` in place; the new plan, or None when the workers
+        are gone (fallback: stopped; not in the new round: left)."""
+        self._ctx.events.emit("reform_started", round=plan.round, reason=cause.text(),
+                              inprocess=True)
+        try:
+            new = self._reform(group, plan, cause)
+        except ReformFallback as why:
+            log.warning("in-process re-formation after round %d failed (%s); stopping the "
+                        "workers and restarting them", plan.round, why)
+            self._ctx.events.emit("reform_fallback", round=plan.round, reason=str(why))
+            group.stop(self._ctx.stop_grace_s)
+            return None
+        except BaseException:
+            group.stop(self._ctx.stop_grace_s)
+            raise
+        if new is not None:
+            self._announce(plan, new, time.monotonic() - paused_at)
+        return new
+
+    def _reform(self, group: Workers, plan: Plan, cause: Cause) -> Plan | None:
+        if cause.kind is CauseKind.MEMBER_SUSPECTED:  # open the next round now
+            self._ctx.rendezvous.suspect(plan, cause)
+        self._ctx.channel.ask_pause(plan.round)
+        new = self._ctx.rendezvous.next_plan(plan, cause)
+        problem = plan_problem(new)
+        if problem:
+            raise RendezvousError(f"refusing to re-form workers on round {new.round}: {problem}")
+        self._wait(lambda: self._not_paused(group, plan.round), self._ctx.bounds.pause_s,
+                   "pause")
+        ranks = assign_ranks(new, self._ctx.node_id)
+        if not ranks:
+            self._leave(group, new)
+            return None
+        gone = [exit.local_rank for exit in group.poll() if exit is not None]
+        if gone or len(ranks) != len(group.pids):
+            raise ReformFallback(
+                f"worker local rank(s) {_ranks(gone)} exited during the pause" if gone else
+                f"round {new.round} gives this node {len(ranks)} workers, it runs "
+                f"{len(group.pids)}")
+        self._assign(group, new)
+        self._wait(lambda: self._not_formed(group, new.round), self._ctx.bounds.form_s,
+                   "re-form")
+        self._capable_round = new.round
+        return new
+
+    def _assign(self, group: Workers, new: Plan) -> None:
+        # As for a fresh start: a progress file named by an old global rank must not
+        # make its new owner look hung, nor a stale marker stop the new round.
+        for stale in self._ctx.progress_dir.glob("rank*.json"):
+            stale.unlink(missing_ok=True)
+        self._ctx.notice_path.unlink(missing_ok=True)
+        for ranks in assign_ranks(new, self._ctx.node_id):
+            self._ctx.channel.assign(ranks.local_rank, Assignment(
+                new.round, ranks.rank, ranks.world_size, ranks.local_world_size,
+                ranks.group_rank, ranks.group_world_size, new.master_addr, new.master_port,
+                new.restart_count))
+        group.reassign(new, self._ctx.node_id)
+
+    def _leave(self, group: Workers, new: Plan) -> None:
+        """This node is not in `new`: its paused workers finish and exit."""
+        for local in range(len(group.pids)):
+            self._ctx.channel.assign(local, Assignment(new.round, leave=True))
+        left = group.wait(self._ctx.bounds.leave_s)
+        if not left:
+            group.stop(self._ctx.stop_grace_s)
+        log.info("this node is not in round %d: its workers %s", new.round,
+                 "left" if left else f"did not leave within {self._ctx.bounds.leave_s:g} s "
+                                     "and were stopped")
+        self._ctx.events.emit("reform_left", round=new.round, inprocess=True, stopped=not left)
+
+    # ---- waiting on the channel --------------------------------------------------
+    def _wait(self, pending: Callable[[], list[int]], bound_s: float, what: str) -> None:
+        """Until `pending()` is empty; ReformFallback past `bound_s`."""
+        deadline = time.monotonic() + bound_s
+        while True:
+            if self._ctx.stop_requested.is_set():
+                raise ShutdownRequested(f"shutdown requested while workers were to {what}")
+            left = pending()
+            if not left:
+                return
+            if time.monotonic() >= deadline:
+                raise ReformFallback(f"worker local rank(s) {_ranks(left)} did not {what} "
+                                     f"within {bound_s:g} s")
+            self._ctx.stop_requested.wait(POLL_S)
+
+    def _not_paused(self, group: Workers, number: int) -> list[int]:
+        """Local ranks still to pause for round `number`; a failure raises."""
+        exits = group.poll()  # before the states: a report written before an exit is seen
+        states = self._ctx.channel.states()
+        left = []
+        for local, exit in enumerate(exits):
+            state = states.get(local)
+            _check_not_failed(local, state, "pause")
+            if exit is not None:
+                if exit.exit_code not in (0, EXIT_FOR_RESIZE):
+                    raise ReformFallback(f"worker local rank {local} exited with code "
+                                         f"{exit.exit_code} while pausing")
+            elif not _in_round(state, number, (PAUSED,)):
+                left.append(local)
+        return left
+
+    def _not_formed(self, group: Workers, number: int) -> list[int]:
+        """Local ranks still to report TRAINING for round `number`; a failure raises.
+        A worker that re-formed and then exited (its training done) counts as formed."""
+        exits = group.poll()  # before the states: a report written before an exit is seen
+        states = self._ctx.channel.states()
+        left = []
+        for local, exit in enumerate(exits):
+            state = states.get(local)
+            _check_not_failed(local, state, "re-form")
+            if _in_round(state, number, (TRAINING, PAUSED)):
+                continue
+            if exit is not None:
+                raise ReformFallback(f"worker local rank {local} exited with code "
+                                     f"{exit.exit_code} before re-forming")
+            left.append(local)
+        return left
+
+    def _announce(self, old: Plan, new: Plan, pause_s: float) -> None:
+        self._ctx.events.emit("round_closed", **round_fields(new), inprocess=True)
+        self._ctx.events.emit("resize", round=new.round, old_world_size=old.world_size,
+                              new_world_size=new.world_size, pause_s=round(pause_s, 3),
+                              cause=new.cause, inprocess=True)
+        log.info("re-formed in place: world size %d -> %d in %.2f s (round %d, restarts "
+                 "%d/%d); workers kept their processes", old.world_size, new.world_size,
+                 pause_s, new.round, new.restart_count, self._ctx.max_restarts)
+
+
+def _check_not_failed(local: int, state: WorkerState | None, what: str) -> None:
+    if state is not None and state.phase == FAILED:
+        raise ReformFallback(f"worker local rank {local} could not {what}: "
+                             f"{state.reason or 'it reported FAILED'}")
+
+
+def _ranks(locals_: list[int]) -> str:
+    return ", ".join(str(local) for local in locals_)
