@@ -60,6 +60,10 @@ class ReformFallback(Exception):
     """
 
 
+# Past a collective timeout, the time a worker needs to leave its group and report.
+PAUSE_MARGIN_S = 5.0
+
+
 @dataclass(frozen=True)
 class ReformBounds:
     """How long each wait of the sequence may take before the restart path takes over."""
@@ -72,15 +76,17 @@ class ReformBounds:
     def from_config(cls, config: AgentConfig) -> ReformBounds:
         """Derived from the rendezvous' own patience.
 
-        pause: --drain-timeout, the time a new round waits for the last plan's members;
-        a worker that has not reached a step boundary (nor given up on a collective,
-        `collective_timeout_s`, below it for TTLs up to 7 s) by then is stuck in user
+        pause: --drain-timeout, the time a new round waits for the last plan's members,
+        and never less than one collective timeout: a worker blocked on a frozen peer
+        only pauses when its collective gives up (`collective_timeout_s`, which passes
+        the drain timeout for long lease TTLs), and falling back then would throw away
+        a re-formation that was about to succeed. A worker past both is stuck in user
         code. form: a newcomer's processes start within the same patience, and the new
         process group then forms within one collective timeout. leave: a paused worker
         reads its assignment within milliseconds; the pause's bound is ample.
         """
         rdzv = config.rendezvous
-        return cls(pause_s=rdzv.drain_timeout_s,
+        return cls(pause_s=max(rdzv.drain_timeout_s, rdzv.collective_timeout_s + PAUSE_MARGIN_S),
                    form_s=rdzv.drain_timeout_s + rdzv.collective_timeout_s,
                    leave_s=rdzv.drain_timeout_s)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_runner.agent import reform_driver
 from elastic_runner.agent.agent import Agent
 from elastic_runner.agent.workers import WorkerExit
 from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, WorkerConfig
@@ -416,8 +417,11 @@ def _report_training(node: Node, local_rank: int) -> bool:
     ("round 1 gives this node 1 workers, it runs 2", Behaviour(),
      [members(("x", 2), (NODE, 2)), members((NODE, 1))]),
 ])
-def test_a_failed_re_formation_falls_back_to_the_restart_path_once(tmp_path, why, behaviour,
-                                                                   script):
+def test_a_failed_re_formation_falls_back_to_the_restart_path_once(tmp_path, monkeypatch, why,
+                                                                   behaviour, script):
+    # The pause bound is never below one collective timeout (10 s here): shorten both.
+    monkeypatch.setattr(reform_driver.ReformBounds, "from_config", classmethod(
+        lambda cls, config: cls(pause_s=0.3, form_s=10.0, leave_s=0.3)))
     node = Node(tmp_path, script, behaviour, pause_bound_s=0.3)
     node.rendezvous.change = Cause.member_lost(["x"])
     node.rendezvous.change_when = lambda: node.channel_shows(TRAINING, 0)
@@ -452,3 +456,16 @@ def test_a_signal_during_the_pause_stops_the_workers_and_the_node(tmp_path):
     assert node.run() == 130  # not a 30 s wait for the pause bound
     assert "stop round-0 workers" in node.journal and node.journal[-1] == "leave"
     assert not node.kinds("reform_fallback") and len(node.groups) == 1
+
+
+def test_the_pause_bound_outlasts_a_collective_timeout():
+    """A worker blocked on a frozen peer pauses only when its collective gives up: the
+    agent must still be waiting then, whatever the lease TTL."""
+    for ttl, drain in ((2, 30.0), (5, 30.0), (10, 30.0), (30, 30.0)):
+        rdzv = RendezvousConfig(run_id="unit", node_id=NODE, lease_ttl_s=ttl,
+                                drain_timeout_s=drain)
+        config = AgentConfig(rdzv, EtcdConfig(), WorkerConfig(argv=("t.py",), nproc=1,
+                                                              fingerprint="f"))
+        bounds = reform_driver.ReformBounds.from_config(config)
+        assert bounds.pause_s >= drain
+        assert bounds.pause_s > rdzv.collective_timeout_s
