@@ -121,6 +121,7 @@ def restart_cause(text: str) -> str:
 
 _RESTART_LABELS = {CauseKind.NOTICE: "notice", CauseKind.NEWCOMER: "newcomer",
                    CauseKind.MEMBER_LOST: "member-lost", CauseKind.LEASE_EXPIRED: "member-lost",
+                   CauseKind.MEMBER_SUSPECTED: "member-lost",
                    CauseKind.WORKER_FAILURE: "worker-failure"}
 
 
@@ -136,6 +137,10 @@ class MetricsServer:
         self.restarts = Counter("elastic_run_restarts",
                                 "Times this node's workers were restarted, by cause",
                                 ["cause"], registry=self.registry)
+        self.reformations = Counter("elastic_run_reformations",
+                                    "Times this node's workers re-formed in their own "
+                                    "processes (er.elastic), by cause",
+                                    ["cause"], registry=self.registry)
         self.pause = Histogram("elastic_run_rescale_pause_seconds",
                                "Seconds from stopping workers to restarting them on a resize",
                                buckets=PAUSE_BUCKETS, registry=self.registry)
@@ -156,7 +161,9 @@ class MetricsServer:
             self.world_size.set(record.get("world_size", 0))
             self.rounds.inc()
             if self._seen_round:
-                self.restarts.labels(restart_cause(str(record.get("cause", "")))).inc()
+                # A re-formation in place keeps the worker processes: not a restart.
+                counter = self.reformations if record.get("inprocess") else self.restarts
+                counter.labels(restart_cause(str(record.get("cause", "")))).inc()
             self._seen_round = True
         elif kind == "resize" and record.get("pause_s") is not None:
             self.pause.observe(float(record["pause_s"]))

@@ -30,6 +30,8 @@ from elastic_runner.errors import ConfigError
 from elastic_runner.events import EVENTS_FILE, read_events
 
 CRASH_KINDS = ("member_lost", "worker_exited")
+# Causes of an in-process re-formation that are crashes too (down, but no work lost).
+IN_PROCESS_LOSSES = ("member-lost", "member-suspected")
 
 
 @dataclass
@@ -86,12 +88,16 @@ def _lost_intervals(events: list[dict], saves: list[dict], t0: float,
                     data: TimelineData) -> None:
     closes = [e["time"] for e in _first_per(events, "round_closed", "round")]
     crashes = [e for kind in CRASH_KINDS for e in _first_per(events, kind, "round")]
+    crashes += [e for e in _first_per(events, "reform_started", "round")
+                if str(e.get("reason", "")).startswith(IN_PROCESS_LOSSES)]
     for crash in sorted(crashes, key=lambda e: e["time"]):
         at = crash["time"]
         if any(start <= at - t0 <= end for start, end in data.down_intervals):
             continue  # one outage, reported by several agents or kinds
         after = next((t for t in closes if t > at), events[-1]["time"])
         data.down_intervals.append((at - t0, after - t0))
+        if crash["kind"] == "reform_started":
+            continue  # workers kept their state: at most the step in flight is lost
         before = [s["time"] for s in saves if s["time"] <= at]
         if before:
             data.lost_work_intervals.append((before[-1] - t0, at - t0))
