@@ -19,6 +19,7 @@ REFUSED = [
     ("--lease-ttl", "lease_ttl", "-3"),
     ("--settle", "settle", "-5"),
     ("--settle-max", "settle_max", "-1"),
+    ("--suspect-grace", "suspect_grace", "-0.5"),
     ("--join-timeout", "join_timeout", "0"),
     ("--join-timeout", "join_timeout", "nan"),
     ("--master-port", "master_port", "0"),
@@ -31,6 +32,7 @@ REFUSED = [
 ACCEPTED = [
     ("--lease-ttl", "lease_ttl", "1"),
     ("--settle", "settle", "0"),
+    ("--suspect-grace", "suspect_grace", "0"),
     ("--master-port", "master_port", "65535"),
     ("--nproc-per-node", "nproc", "1"),
     ("--etcd-timeout", "etcd_timeout", "0.5"),
