@@ -40,13 +40,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from elastic_runner.errors import StaleWriterError
 from elastic_runner.worker.checkpoint import checkpointer as _checkpoint
+from elastic_runner.worker.checkpoint.background import BackgroundWriter
 from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
 from elastic_runner.contract import CHECKPOINT_RECORD, EXIT_FOR_RESIZE, ProgressWriter, WorkerEnv
 from elastic_runner.files import write_atomic
-from elastic_runner.worker.step_boundary import StepBoundary
+from elastic_runner.worker.step_boundary import ReformRequested, StepBoundary
 
 log = logging.getLogger("elastic_runner.worker.runtime")
+
+DEFAULT_TIMEOUT_S = 60.0  # forming the process group, and each collective in it
 
 __all__ = ["Checkpointer", "Context", "EXIT_FOR_RESIZE", "EtcdLatestStore", "current",
            "finish", "init", "report"]
@@ -76,6 +80,21 @@ class Context:
     def __post_init__(self) -> None:
         object.__setattr__(self, "boundary", StepBoundary(
             self.rank, self.world_size, self.notice_path, self.progress_dir))
+
+    def move(self, rank: int, world_size: int, local_world_size: int, restart_count: int,
+             round_number: int) -> None:
+        """In-process re-formation (elastic.py): this process holds another place in a
+        new round. The one change a Context allows, made in place so that every holder
+        (the script's `ctx`, the Checkpointers) sees it; the step boundary starts afresh
+        (its progress file is named by the rank, its group is the round's)."""
+        for name, value in (("rank", rank), ("world_size", world_size),
+                            ("local_world_size", local_world_size),
+                            ("restart_count", restart_count), ("round", round_number)):
+            object.__setattr__(self, name, value)
+        self.boundary.close()
+        self.__post_init__()
+        for checkpointer in self.checkpointers:
+            checkpointer.rebind()
 
     def __enter__(self) -> "Context":
         return self
@@ -121,11 +140,14 @@ def _etcd_options(job: WorkerEnv) -> dict[str, str]:
     return options
 
 
-def init(backend: str | None = None, timeout_s: float = 60.0) -> Context:
+def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
     """Join the process group the launcher prepared; bind this worker's GPU.
 
     The agent shows each worker only its own GPU (CUDA_VISIBLE_DEVICES), so the
     device is cuda:0 whenever exactly one is visible, else cuda:LOCAL_RANK.
+    `timeout_s` bounds forming the group and every collective in it; by default the
+    launcher's ELASTIC_RUN_COLLECTIVE_TIMEOUT (a silent peer is given up on in time
+    to re-form), else DEFAULT_TIMEOUT_S.
     """
     import torch
     import torch.distributed as dist
@@ -139,6 +161,8 @@ def init(backend: str | None = None, timeout_s: float = 60.0) -> Context:
         torch.cuda.set_device(index)
         device = f"cuda:{index}"
     context = context_from_env(environ, backend, device)
+    if timeout_s is None:
+        timeout_s = group_timeout_s(WorkerEnv.from_env(environ))
     if dist.is_initialized():
         _warn_on_hand_typed_ranks(dist.get_rank(), dist.get_world_size(), context)
     elif context.world_size > 1 or "MASTER_ADDR" in environ:
@@ -148,6 +172,11 @@ def init(backend: str | None = None, timeout_s: float = 60.0) -> Context:
     log.info("rank %d/%d (local %d) on %s, round %d, restarts %d", context.rank,
              context.world_size, context.local_rank, device, context.round, context.restart_count)
     return context
+
+
+def group_timeout_s(job: WorkerEnv) -> float:
+    """The process group's timeout: the launcher's collective timeout when it set one."""
+    return float(job.collective_timeout_s) if job.collective_timeout_s > 0 else DEFAULT_TIMEOUT_S
 
 
 def _report_our_errors_in_one_line() -> None:
@@ -217,22 +246,33 @@ def at_step_boundary(step: int, samples: int) -> None:
     """ElasticSampler calls this after the body of every step; see step_boundary.py.
 
     A no-op outside elastic-run. When the job agreed to stop here, rank 0 saves the
-    registered state of this step, and the worker leaves with EXIT_FOR_RESIZE.
+    registered state of this step, and the worker leaves with EXIT_FOR_RESIZE; under
+    er.elastic the ranks that stay re-form in place instead (ReformRequested), and
+    those of a leaving node exit without saving.
     """
     context = current()
     if context is None or not context.boundary.enabled:
         return
-    if context.boundary.reached(step, samples):
-        stop_for_resize(context, step)
+    agreed = context.boundary.reached(step, samples)
+    if agreed.in_place and not agreed.noticed_here:
+        raise ReformRequested(step)  # er.elastic re-forms the group (elastic.py)
+    if agreed:
+        stop_for_resize(context, step, save=not agreed.in_place)
 
 
-def stop_for_resize(context: Context, step: int) -> None:
+def stop_for_resize(context: Context, step: int, save: bool = True) -> None:
     """Save the agreed step (rank 0), leave the group, exit for the agents to re-form.
 
     A due()-driven script that saves finished state dicts has registered nothing the
     runtime could save, but it will save at its next due(): that returns True, and
     its save() ends the worker. Every rank decides this alike (the same script).
+    `save` False (er.elastic, this node leaves): the ranks that stay keep the state.
     """
+    if not save:
+        log.warning("resize: this node leaves after step %d; the ranks that stay keep "
+                    "the state (no checkpoint)", step)
+        finish()
+        raise SystemExit(EXIT_FOR_RESIZE)
     checkpointers = list(context.checkpointers)
     if checkpointers and all(c.defers_to_due() for c in checkpointers):
         for checkpointer in checkpointers:
@@ -271,9 +311,11 @@ class Checkpointer(_checkpoint.Checkpointer):
     def __init__(self, url_or_path, keep: int | None = 3, every: int | None = None,
                  async_save: bool = False, rank: int | None = None, latest_store=None, **kwargs):
         context = current()
-        if latest_store is None and context is not None and context.etcd_endpoints:
-            latest_store = EtcdLatestStore(context.etcd_endpoints, context.etcd_prefix,
-                                           context.round, context.etcd_options)
+        # The record we open ourselves is fenced by the round: rebind() reopens it.
+        self._own_store = latest_store is None and context is not None and bool(
+            context.etcd_endpoints)
+        if self._own_store:
+            latest_store = _etcd_store(context)
         super().__init__(url_or_path, keep=keep, every=every, async_save=async_save, rank=rank,
                          latest_store=latest_store, **kwargs)
         self._context = context
@@ -283,11 +325,27 @@ class Checkpointer(_checkpoint.Checkpointer):
         self._asks_due = False
         if context is not None:
             context.checkpointers.append(self)
-        self._events = None
-        if context is not None and context.events_path:
-            from elastic_runner.events import EventLog
-            self._events = EventLog(f"rank{context.rank}", context.run_id,
-                                    Path(context.events_path))
+        self._events = _event_log(context)
+
+    def rebind(self) -> None:
+        """The job re-formed in place (Context.move): same process, new rank, world
+        size and round. A save in flight ends first, as the old round's (its record
+        may be refused now that the new round has a plan: the state stays in memory,
+        so that is a warning); the new rank 0 probes the root and writes from now on."""
+        try:
+            self.wait()
+        except StaleWriterError as error:
+            log.warning("%s (training goes on from the state in memory)", error)
+        context = self._context
+        self.rank, self._world_size = context.rank, context.world_size
+        if self.rank == 0 and not self._closed:
+            self._storage.probe()
+            if self.config.async_save and self._writer is None:
+                self._writer = BackgroundWriter(self._exit_line)
+        if self._own_store:
+            self._latest.close()
+            self._latest = _etcd_store(context)
+        self._events = _event_log(context)
 
     def register(self, state: Any) -> None:
         """What to save when the runtime stops for a resize: a mapping of name ->
@@ -379,6 +437,18 @@ class Checkpointer(_checkpoint.Checkpointer):
 
     def _exit_line(self, error: BaseException) -> str:
         return f"elastic-run worker: error: {error}"
+
+
+def _etcd_store(context: Context) -> EtcdLatestStore:
+    return EtcdLatestStore(context.etcd_endpoints, context.etcd_prefix, context.round,
+                           context.etcd_options)
+
+
+def _event_log(context: Context | None):
+    if context is None or not context.events_path:
+        return None
+    from elastic_runner.events import EventLog
+    return EventLog(f"rank{context.rank}", context.run_id, Path(context.events_path))
 
 
 def _holds_objects(state: Any) -> bool:

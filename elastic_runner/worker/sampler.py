@@ -117,6 +117,12 @@ class ElasticSampler:
         self._shuffle = bool(shuffle)
         self._drop_last = bool(drop_last)
         self._policy = _resolve_policy(policy, global_batch_size)
+        # Built in a process group without a rank or world size given, the sampler
+        # follows that group, which an in-process re-formation (er.elastic) replaces:
+        # see _follow_world. Built outside any group, it keeps the world it was given.
+        self._follows_group = (rank is None or world_size is None) and \
+            _torch_rank_world(alone=(None, None))[0] is not None
+        self._given = (rank, world_size)
         rank, world_size = _resolve_world(rank, world_size)
         self._plan = plan_batch(self._policy, world_size, rank)
         self._epoch = 0
@@ -145,6 +151,7 @@ class ElasticSampler:
 
     @property
     def batch_plan(self) -> BatchPlan:
+        self._follow_world()
         return self._plan
 
     @property
@@ -157,10 +164,12 @@ class ElasticSampler:
 
     def __len__(self) -> int:
         """Steps left in this epoch for the current world."""
+        self._follow_world()
         full, partial = divmod(self.remaining, self._plan.global_batch)
         return full if self._drop_last or partial == 0 else full + 1
 
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+        self._follow_world()  # a re-formed group: the same position, split anew
         epoch = self._epoch
         # Re-read the state every step so load_state_dict/set_epoch called
         # during the loop take effect; a new epoch ends this loop.
@@ -236,6 +245,23 @@ class ElasticSampler:
                     f"repeat or skip samples. Load the matching checkpoint or "
                     f"start a new run.")
 
+    def _follow_world(self) -> None:
+        """Re-plan for the process group of now, if it changed since the last plan.
+
+        Why: under `er.elastic` this process lives on through a resize and iterates
+        again in the new group. The position is a global sample count, so a new split
+        of the next global batch is all a new world needs (as on resuming a checkpoint
+        saved at another world size): no sample is repeated or skipped. Only while a
+        group is up: after it is left, the last plan stands."""
+        if not self._follows_group:
+            return
+        group_rank, group_world = _torch_rank_world(alone=(None, None))
+        if group_rank is None:
+            return
+        rank, world_size = _resolve_world(*self._given, found=(group_rank, group_world))
+        if (rank, world_size) != (self._plan.rank, self._plan.world_size):
+            self._plan = plan_batch(self._policy, world_size, rank)
+
     def _next_batch_len(self) -> int:
         left = self.remaining
         if left >= self._plan.global_batch:
@@ -286,25 +312,27 @@ def _resolve_policy(policy: BatchPolicy | str | None,
                     f"got {type(policy).__name__}")
 
 
-def _resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world_size), filling gaps from torch.distributed if it is up."""
+def _resolve_world(rank: int | None, world_size: int | None,
+                   found: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(rank, world_size), filling gaps from torch.distributed if it is up (or `found`)."""
     if rank is None or world_size is None:
-        dist_rank, dist_world = _torch_rank_world()
+        dist_rank, dist_world = found or _torch_rank_world()
         rank = dist_rank if rank is None else rank
         world_size = dist_world if world_size is None else world_size
     return rank, world_size
 
 
-def _torch_rank_world() -> tuple[int, int]:
+def _torch_rank_world(alone: tuple[int, int] | tuple[None, None] = (0, 1)):
+    """(rank, world_size) of the process group if one is up, else `alone`."""
     # Imported here so this module loads without torch, and is cheap to use
     # in tools that never touch a process group.
     try:
         import torch.distributed as dist
     except ImportError:
-        return 0, 1
+        return alone
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return alone
 
 
 def _check_int(name: str, value: Any, minimum: int,

@@ -7,14 +7,21 @@ script never kept. Every rank passes `ElasticSampler`'s iteration once per step,
 the sampler calls `reached()` after each step's body, and the runtime acts there:
 
 - Agreement: every rank contributes "my agent asked for a stop" (the notice file,
-  contract.NOTICE_FILE) to a MAX all-reduce, so all ranks stop at the same step. The
+  contract.NOTICE_FILE: 2) and, under `@er.elastic`, "my agent asked for a pause"
+  (reform.py's pause request for the current round: 1) to a MAX all-reduce, so all
+  ranks stop at the same step; the same all-reduce carries the negated notice flag,
+  so every rank also learns whether *every* rank has a notice (then nobody keeps
+  the state, and even `@er.elastic` ranks save it as on the restart path). The
   all-reduce runs on a gloo group of its own (no GPU sync for NCCL jobs, no
   interleaving with the script's collectives) and is pipelined: the result read at
   step s is the one started at step s-1, so it costs no wait, and a stop comes one
   step later than the request.
 - Acting: rank 0's Checkpointers save the state registered with them for that step
   (`Checkpointer.save_for_resize`), every worker leaves the process group and exits
-  with EXIT_FOR_RESIZE.
+  with EXIT_FOR_RESIZE. Under `@er.elastic` (`Agreement.in_place`) nothing is saved:
+  ranks whose own node has the notice exit with EXIT_FOR_RESIZE, the state being
+  replicated on the others, and every other rank raises `ReformRequested` out of
+  the sampler's loop for `er.elastic` to re-form the group (elastic.py).
 - Showing: the rank's progress file says it has a boundary (`boundary`), how fast it
   steps, and, once agreed, at which step it stops (`stopping`). The agent's drain
   (drain.py) waits on exactly that.
@@ -25,12 +32,41 @@ the sampler calls `reached()` after each step's body, and the runtime acts there
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from elastic_runner.contract import ProgressWriter, progress_file
 
 log = logging.getLogger("elastic_runner.worker.runtime")
+
+PAUSE, NOTICE = 1, 2  # what a rank contributes; the MAX wins
+
+
+class ReformRequested(BaseException):
+    """Internal: every rank agreed at the boundary of `step` to re-form in place.
+
+    Raised out of ElasticSampler's iteration (through the script's loop) and caught
+    by `er.elastic`; never seen by a script that does not use it. A BaseException,
+    like KeyboardInterrupt, so that a script's `except Exception` cannot swallow it.
+    """
+
+    def __init__(self, step: int):
+        super().__init__(f"every rank agreed to re-form after step {step}")
+        self.step = step
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank agreed at one step boundary."""
+
+    value: int = 0  # 0: go on; PAUSE: a pause was asked somewhere; NOTICE: a notice
+    every_rank_noticed: bool = False  # nobody stays: the state must be saved
+    noticed_here: bool = False  # this rank contributed a notice (its node leaves)
+    in_place: bool = False  # under er.elastic, and some rank keeps the state
+
+    def __bool__(self) -> bool:
+        return self.value > 0
 
 
 class StepBoundary:
@@ -48,20 +84,28 @@ class StepBoundary:
         self.user_reports = False  # er.report() gives the numbers; we only add flags
         self._samples = 0
         self._group: Any = None
-        self._pending: tuple[Any, Any] | None = None  # (work, tensor) started last step
+        self._pending: tuple[Any, Any, bool] | None = None  # (work, tensor, noticed) of last step
+        # Set by er.elastic (elastic.py): is a pause asked for this round, and the hook
+        # told of every completed step (State.commit) before the agreement is read.
+        self.pause_asked: Callable[[], bool] | None = None
+        self.on_completed: Callable[[int], None] | None = None
+        self.agreed = Agreement()
 
     @property
     def enabled(self) -> bool:
-        return self._notice_path is not None
+        return self._notice_path is not None or self.pause_asked is not None
 
     def asked(self) -> bool:
         return self._notice_path is not None and self._notice_path.exists()
 
-    def reached(self, step: int, samples: int) -> bool:
-        """After step `step`'s body; True when every rank agreed to stop here."""
+    def reached(self, step: int, samples: int) -> Agreement:
+        """After step `step`'s body; true when every rank agreed to stop here
+        (`self.agreed` keeps it: how, and whether in place)."""
         self.active = True
         self._samples += samples
-        stop = self._agree_pipelined()
+        if self.on_completed is not None:
+            self.on_completed(step)  # before the agreement: a failed wait must not undo it
+        self.agreed = stop = self._agree_pipelined()
         if stop or not self.user_reports:
             self.write(step, None if self.user_reports else self._samples,
                        stopping=step if stop else None)
@@ -78,25 +122,43 @@ class StepBoundary:
                            stopping=stopping)
 
     def agree_now(self) -> bool:
-        """Blocking agreement for `due()`-driven scripts (no sampler boundary)."""
-        if self._world_size <= 1:
-            return self.asked()
-        work, flag = self._start()
-        work.wait()
-        return bool(flag.item())
+        """Blocking agreement for `due()`-driven scripts (no sampler boundary).
 
-    def _agree_pipelined(self) -> bool:
+        Only notices count here: pausing in place needs the sampler's boundary."""
         if self._world_size <= 1:
             return self.asked()
-        agreed = False
+        work, flag, noticed = self._start(pause=False)
+        work.wait()
+        return bool(self._agreement(flag.tolist(), noticed))
+
+    def _agree_pipelined(self) -> Agreement:
+        if self._world_size <= 1:
+            value, noticed = self._contribution(pause=True)
+            return self._agreement([value, -int(noticed)], noticed)
+        agreed = Agreement()
         if self._pending is not None:
-            work, flag = self._pending
+            work, flag, noticed = self._pending
+            self._pending = None
             work.wait()
-            agreed = bool(flag.item())
-        self._pending = None if agreed else self._start()
+            agreed = self._agreement(flag.tolist(), noticed)
+        if not agreed:
+            self._pending = self._start(pause=True)
         return agreed
 
-    def _start(self):
+    def _contribution(self, pause: bool) -> tuple[int, bool]:
+        noticed = self.asked()
+        paused = pause and self.pause_asked is not None and self.pause_asked()
+        return (NOTICE if noticed else PAUSE if paused else 0), noticed
+
+    def _agreement(self, reduced, noticed: bool) -> Agreement:
+        """`reduced`: [MAX of contributions, MAX of negated notices]; `noticed`: ours,
+        as contributed (a notice file appearing since must not change our part)."""
+        value, every_noticed = int(reduced[0]), int(reduced[1]) == -1
+        return Agreement(value, every_noticed, noticed,
+                         in_place=value > 0 and self.pause_asked is not None
+                         and not every_noticed)
+
+    def _start(self, pause: bool):
         import torch
         import torch.distributed as dist
 
@@ -104,16 +166,24 @@ class StepBoundary:
             # Every rank reaches its first boundary (or due()) at the same step, so
             # this collective group creation lines up across ranks.
             self._group = dist.new_group(backend="gloo")
-        flag = torch.tensor([1 if self.asked() else 0], dtype=torch.int32)
+        value, noticed = self._contribution(pause)
+        flag = torch.tensor([value, -int(noticed)], dtype=torch.int32)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        return work, flag
+        return work, flag, noticed
 
     def close(self) -> None:
         """Finish the collective in flight before the process group goes away."""
         if self._pending is not None:
-            work, _ = self._pending
+            work, _, _ = self._pending
             self._pending = None
             try:
                 work.wait()
             except Exception as error:  # noqa: BLE001 - a dead peer must not block leaving
                 log.debug("pending step-boundary agreement failed: %s", error)
+
+    def abandon(self) -> None:
+        """The process group failed under us (er.elastic re-forms it): drop the
+        agreement in flight unread, and the group with it; destroy_process_group
+        ends them. Waiting here could block on a frozen peer."""
+        self._pending = None
+        self._group = None
