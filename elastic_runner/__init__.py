@@ -8,6 +8,16 @@ The worker-side API (see examples/train_mlp.py)::
         ckpt = er.Checkpointer("/shared/ckpt", keep=3, every=50)
         ...
 
+Workers that survive a resize in their own process (examples/train_inproc.py)::
+
+    state = er.State(model=model, optimizer=opt, sampler=sampler)
+    state.restore(ckpt)
+
+    @er.elastic(state)
+    def train(state):
+        ...                 # called again after every in-process re-formation
+    train()
+
 Names resolve lazily so the agent (`elastic-run`) never pays for importing torch.
 """
 
@@ -23,6 +33,7 @@ _EXPORTS = {
     "StaleWriterError": "worker.checkpoint.checkpointer",
     "MemoryLatestStore": "worker.checkpoint.checkpointer",
     "ElasticSampler": "worker.sampler",
+    "State": "worker.state", "ShardedStateError": "worker.state", "elastic": "worker.elastic",
     "BatchPolicy": "worker.scaling", "BatchPlan": "worker.scaling",
     "parse_policy": "worker.scaling", "plan_batch": "worker.scaling",
 }

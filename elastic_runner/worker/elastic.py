@@ -1,0 +1,268 @@
+"""`@er.elastic(state)`: a training function that survives a resize in its own process.
+
+Why: the restart path (runtime.py) stops every worker, starts new processes and
+reads the last checkpoint: seconds of startup, and every step since that checkpoint
+re-done. A worker whose state is an `er.State` can instead pause, leave the old
+process group, join the new one and call the training function again, keeping its
+state in memory (a newcomer receives it from a peer: State.sync).
+
+The worker's half of the channel in reform.py, one round at a time:
+
+1. The process group of the first round is the one `er.init()` formed. Once in a
+   round's group, the worker reports TRAINING for it (this is how the agent learns
+   that it can re-form in place), synchronises the State, and calls `fn(state)`.
+2. The round ends for this worker at a step boundary every rank agreed on (the
+   agent asked a pause, or a node leaves with notice: step_boundary.py raises
+   ReformRequested; zero steps re-done), or when a collective fails because a
+   peer died or went silent (gloo raises a plain RuntimeError, see
+   `collective_failure`; the step in flight is re-done). It leaves the group and
+   reports PAUSED with the reason ("asked", or "collective-error: <first line>").
+3. It polls its Assignment (every POLL_S) until one for a later round appears; at
+   most ASSIGNMENT_TIMEOUT_S, then it reports FAILED and exits with EXIT_FOR_RESIZE.
+   `leave`: this node is not in the new round; it exits with EXIT_FOR_RESIZE and no
+   checkpoint (the ranks that stay hold the state). Otherwise it takes its new place
+   (environment, Context, process group) and goes back to 1.
+
+Anything that stops a worker from re-forming is reported FAILED (the agent then
+takes the restart path for the round). Outside elastic-run (no ELASTIC_RUN_REFORM_DIR:
+a plain `python` run, or torchrun), `fn(state)` is simply called once. A script
+without `@er.elastic` never reports, so its agent keeps the restart path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import gc
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from elastic_runner.contract import EXIT_FOR_RESIZE, WorkerEnv, variable
+from elastic_runner.errors import StaleWriterError
+from elastic_runner.reform import (
+    ASKED, COLLECTIVE_ERROR, FAILED, PAUSED, TRAINING, Assignment, ReformChannel, WorkerState,
+)
+from elastic_runner.worker import runtime
+from elastic_runner.worker.state import ShardedStateError, State
+from elastic_runner.worker.step_boundary import ReformRequested
+
+log = logging.getLogger("elastic_runner.worker.elastic")
+
+# How often a paused worker reads its assignment: a stat and a small JSON parse, and
+# every millisecond here is a millisecond of paused training.
+POLL_S = 0.01
+# How long a paused worker waits for its assignment. Only a safety net: the agent
+# bounds each of its own waits and stops its workers when it gives up, and a worker
+# dies with its agent; so it exceeds the rendezvous' default --join-timeout (600 s),
+# which the agent may spend waiting for enough nodes while its workers stay paused.
+ASSIGNMENT_TIMEOUT_S = 900.0
+# What a failed collective says: gloo raises a plain RuntimeError whose text names its
+# transport ("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer ..." when
+# a peer process died, "Read error ...: Connection reset by peer" from DDP's backward,
+# "[.../unbound_buffer.cc:78] Timed out waiting 5000ms for recv ..." for a frozen
+# peer); torch's own DistError types cover the store and NCCL.
+_COLLECTIVE_SIGNS = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer",
+                     "Broken pipe", "Timed out waiting")
+_REASON_CHARS = 500
+
+
+def collective_failure(error: BaseException) -> str | None:
+    """The first line of `error` when it says a collective failed, else None."""
+    import torch.distributed as dist
+
+    text = str(error)
+    failed = isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(sign in text for sign in _COLLECTIVE_SIGNS))
+    if not failed:
+        return None
+    lines = text.strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:_REASON_CHARS]
+
+
+def elastic(state: State) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate the training function `fn(state, ...)`; call it as `fn(...)`.
+
+    It runs `fn(state, ...)` in this round's process group and, after each in-process
+    re-formation, again in the new one (so build what depends on the group, DDP
+    included, inside it), and returns what its last call returns. See the module
+    docstring for the rounds; a State holding sharded tensors keeps the restart path.
+    """
+    if not isinstance(state, State):
+        raise TypeError(f"er.elastic needs an er.State, got {type(state).__name__}")
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return _run(state, functools.partial(fn, state, *args, **kwargs))
+        return run
+
+    return decorate
+
+
+def _run(state: State, call: Callable[[], Any]) -> Any:
+    context = runtime.current()
+    job = WorkerEnv.from_env(os.environ)
+    if not job.reform_dir:
+        return call()  # outside elastic-run: nobody to re-form with
+    if context is None:
+        log.warning("er.elastic: er.init() was not called, so this worker cannot re-form "
+                    "in place; it keeps the restart path")
+        return call()
+    try:
+        state.check_replicated()
+    except ShardedStateError as error:
+        log.warning("%s", error)
+        return call()  # never reports: the agent keeps the restart path
+    return Reformer(state, context, ReformChannel(Path(job.reform_dir)), job).run(call)
+
+
+class Reformer:
+    """One worker's rounds: train, pause, wait for its place, re-form, train again."""
+
+    def __init__(self, state: State, context: runtime.Context, channel: ReformChannel,
+                 job: WorkerEnv, assignment_timeout_s: float | None = None):
+        self.state, self.context, self.channel, self.job = state, context, channel, job
+        self.assignment_timeout_s = (ASSIGNMENT_TIMEOUT_S if assignment_timeout_s is None
+                                     else assignment_timeout_s)
+
+    def run(self, call: Callable[[], Any]) -> Any:
+        self._attach()
+        self._report(TRAINING)
+        while True:
+            try:
+                self.state.sync()
+                result = call()
+            except ReformRequested:
+                reason = ASKED
+            except RuntimeError as error:
+                first_line = collective_failure(error)
+                if first_line is None:
+                    raise
+                reason = f"{COLLECTIVE_ERROR}: {first_line}"
+                self.state.rollback()
+            else:
+                self._report(TRAINING)
+                self._detach()
+                return result
+            self._reform(reason)
+
+    # ---- one re-formation ------------------------------------------------------------
+    def _reform(self, reason: str) -> None:
+        log.warning("round %d ends for rank %d after step %d (%s); re-forming in place",
+                    self.context.round, self.context.rank, self.state.step, reason)
+        self._refuse_sharded(reason)
+        self._leave_group()
+        self._report(PAUSED, reason)
+        assignment = self._await_assignment()
+        if assignment.leave:
+            self._leave_job(assignment)
+        self._join(assignment)
+        self._report(TRAINING)
+
+    def _refuse_sharded(self, reason: str) -> None:
+        """A sharded State cannot be kept: the restart path takes over. After an asked
+        pause the group still works, so this step is checkpointed as on that path
+        (exit EXIT_FOR_RESIZE, which the agent reads as "cannot re-form" once it
+        assigns the next round); after a failed collective the worker reports FAILED
+        and fails with the error."""
+        try:
+            self.state.check_replicated()
+        except ShardedStateError as error:
+            if reason == ASKED:
+                log.warning("%s", error)
+                runtime.stop_for_resize(self.context, self.state.step)
+            self._report(FAILED, str(error))
+            raise
+
+    def _leave_group(self) -> None:
+        import torch.distributed as dist
+
+        self.context.boundary.abandon()
+        # The last call's objects (a DDP and its autograd hooks on the parameters)
+        # must go before the next call builds their successors.
+        gc.collect()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except RuntimeError as error:  # a broken group may fail on the way out
+                log.debug("leaving the broken process group: %s", error)
+
+    def _await_assignment(self) -> Assignment:
+        deadline = time.monotonic() + self.assignment_timeout_s
+        while True:
+            assignment = self.channel.assignment(self.context.local_rank)
+            if assignment is not None and assignment.round > self.context.round:
+                return assignment
+            if time.monotonic() >= deadline:
+                self._fail(f"no assignment for a round after {self.context.round} within "
+                           f"{self.assignment_timeout_s:g} s")
+            time.sleep(POLL_S)
+
+    def _leave_job(self, assignment: Assignment) -> None:
+        """This node is not in the new round: finish (pending saves) and exit."""
+        log.warning("this node is not in round %d: rank %d leaves after step %d (the ranks "
+                    "that stay keep the state)", assignment.round, self.context.rank,
+                    self.state.step)
+        self._report(PAUSED, f"leaving: not in round {assignment.round}")
+        try:
+            runtime.finish()
+        except StaleWriterError as error:  # its round is over: expected, and harmless
+            log.warning("%s", error)
+        raise SystemExit(EXIT_FOR_RESIZE)
+
+    def _join(self, assignment: Assignment) -> None:
+        """Take this worker's place in the assignment's round; FAILED if it cannot."""
+        import torch.distributed as dist
+
+        _export(assignment)
+        try:
+            dist.init_process_group(self.context.backend, timeout=datetime.timedelta(
+                seconds=runtime.group_timeout_s(self.job)))
+            self.context.move(assignment.rank, assignment.world_size,
+                              assignment.local_world_size, assignment.restart_count,
+                              assignment.round)
+        except Exception as error:  # noqa: BLE001 - every way of failing is told to the agent
+            self._fail(f"cannot join round {assignment.round}: {error}".splitlines()[0])
+        self._attach()
+        log.warning("re-formed in place: rank %d of %d in round %d", assignment.rank,
+                    assignment.world_size, assignment.round)
+
+    def _fail(self, reason: str) -> None:
+        log.error("in-process re-formation failed: %s", reason)
+        self._report(FAILED, reason)
+        raise SystemExit(EXIT_FOR_RESIZE)
+
+    # ---- the step boundary and the channel ----------------------------------------------
+    def _attach(self) -> None:
+        """The step boundary of this round's group asks the channel for pauses and
+        tells the State of every completed step."""
+        boundary, channel, context = self.context.boundary, self.channel, self.context
+        boundary.pause_asked = lambda: channel.pause_asked(context.round)
+        boundary.on_completed = self.state.commit
+
+    def _detach(self) -> None:
+        self.context.boundary.pause_asked = None
+        self.context.boundary.on_completed = None
+
+    def _report(self, phase: str, reason: str = "") -> None:
+        self.channel.report(self.context.local_rank, WorkerState(
+            round=self.context.round, phase=phase, step=self.state.step, pid=os.getpid(),
+            reason=reason))
+
+
+def _export(assignment: Assignment) -> None:
+    """The new round's torchrun variables. This is the worker process's own environment,
+    which the runtime owns: scripts read their rank from it, and torch's env:// init
+    reads MASTER_ADDR/PORT, RANK and WORLD_SIZE from it."""
+    values = {
+        "rank": assignment.rank, "world_size": assignment.world_size,
+        "local_world_size": assignment.local_world_size, "group_rank": assignment.group_rank,
+        "group_world_size": assignment.group_world_size, "role_rank": assignment.rank,
+        "role_world_size": assignment.world_size, "master_addr": assignment.master_addr,
+        "master_port": assignment.master_port, "round": assignment.round,
+        "restart_count": assignment.restart_count,
+    }
+    os.environ.update({variable(name): str(value) for name, value in values.items()})

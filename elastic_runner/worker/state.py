@@ -1,0 +1,305 @@
+"""`er.State`: the training state a worker keeps through an in-process re-formation.
+
+Why a State: when the job re-forms in place (`@er.elastic`, elastic.py), the processes
+that survive still hold the model, the optimizer and the data position in memory, and
+a newcomer holds nothing. Reading a checkpoint would throw away every step since it
+was written; a State instead knows which step its objects hold and, after every
+(re-)formation, `sync()` brings every rank to the newest step any rank holds, moving
+bytes only to the ranks that are behind:
+
+- the step: the last step completed in this process (`commit`, which the runtime calls
+  at every ElasticSampler step boundary; scripts without a sampler call it
+  themselves), the step of the checkpoint `restore()` loaded, or the step `sync()`
+  received; -1 while the objects hold nothing known (a newcomer that found no
+  checkpoint). A sampler's position advances when it hands out a batch, before the
+  step is done, so a step cut short by a failed collective is undone in the sampler
+  (`rollback`): that step in flight is the one re-done.
+- the sync: every rank all-gathers its step (a few bytes); the source is the lowest
+  rank holding the highest step; the ranks behind it receive the source's state
+  dicts (torch.save bytes, broadcast in a group of the source and those ranks only);
+  a rank already at that step moves no bytes.
+
+What it assumes: the objects are replicated (DDP, or no parallelism): every rank at
+step s holds the same state. Sharded state (DTensor, FSDP2, a ShardedTensor) breaks
+that: a lost member takes its shards with it. `check_replicated()` finds them and
+raises `ShardedStateError`; `er.elastic` then keeps such a script on the restart path
+(it never tells the agent it can re-form, so the agent checkpoints and restarts), and
+a state that becomes sharded later fails its re-formation with that error, which the
+agent answers with the restart path too. It also assumes that a rank's objects change
+only in the optimizer step, after the step's last collective (the usual loop, DDP):
+a rank whose collective failed mid-step then still holds the last completed step.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_runner.errors import ElasticRunError
+from elastic_runner.worker.sampler import ElasticSampler
+
+log = logging.getLogger("elastic_runner.worker.state")
+
+NOTHING = -1  # the step of objects that hold nothing known
+
+
+class ShardedStateError(ElasticRunError):
+    """The State holds sharded tensors, so it cannot be kept through a re-formation."""
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What the last `State.sync()` did, as this rank saw it."""
+
+    step: int  # the step every rank holds afterwards
+    source: int | None  # the rank the state came from; None when nobody was behind
+    receivers: tuple[int, ...]  # the ranks that were behind
+    received: int  # bytes this rank received (0 on the source and on ranks up to date)
+
+
+def plan_transfer(steps: list[int]) -> tuple[int, tuple[int, ...]]:
+    """(source, ranks behind) for the step each rank holds: the source is the lowest
+    rank holding the highest step; every rank below that step is behind."""
+    newest = max(steps)
+    source = steps.index(newest)
+    return source, tuple(rank for rank, step in enumerate(steps) if step < newest)
+
+
+class State(Mapping):
+    """Named objects with state_dict()/load_state_dict() that a worker keeps in place.
+
+    A read-only mapping of name -> object, so it can be passed wherever the objects
+    are (`ckpt.save(step, state)` registers them for resizes); names are also
+    attributes (`state.model`).
+    """
+
+    def __init__(self, **objects: Any):
+        if not objects:
+            raise TypeError("er.State needs at least one object, e.g. State(model=model)")
+        for name, value in objects.items():
+            if not (callable(getattr(value, "state_dict", None))
+                    and callable(getattr(value, "load_state_dict", None))):
+                raise TypeError(f"er.State: {name}={type(value).__name__} has no "
+                                "state_dict()/load_state_dict(); pass modules, optimizers, "
+                                "samplers or your own objects that have both")
+        self._objects = dict(objects)
+        samplers = [value for value in objects.values() if isinstance(value, ElasticSampler)]
+        self._sampler = samplers[0] if samplers else None
+        self._step = NOTHING
+        self._mark: dict | None = None  # the sampler's position at `_step`
+        self._remember_position()
+        self.last_sync: SyncReport | None = None
+
+    # ---- the mapping ---------------------------------------------------------------
+    def __getitem__(self, name: str) -> Any:
+        return self._objects[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._objects)
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def __getattr__(self, name: str) -> Any:
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(f"er.State has no object named {name!r}")
+
+    # ---- the step ------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The last step these objects completed (-1: nothing known yet)."""
+        return self._step
+
+    @property
+    def sampler(self) -> ElasticSampler | None:
+        return self._sampler
+
+    def commit(self, step: int | None = None) -> None:
+        """Step `step` is complete (default: the one after the last). The runtime
+        calls this at every ElasticSampler boundary; other scripts call it once per
+        step, after the optimizer step."""
+        self._step = step if step is not None else max(self._step, 0) + 1
+        self._remember_position()
+
+    def rollback(self) -> None:
+        """Undo a step cut short (a collective failed mid-step): the sampler goes back
+        to the position of the last completed step, so that step is handed out again."""
+        if self._sampler is not None and self._mark is not None \
+                and self._sampler.state_dict() != self._mark:
+            log.info("re-doing step %d: the sampler goes back to step %d",
+                     self._sampler.step, self._mark["step"])
+            self._sampler.load_state_dict(self._mark)
+
+    def _remember_position(self) -> None:
+        if self._sampler is not None:
+            self._mark = self._sampler.state_dict()
+
+    # ---- checkpoints ---------------------------------------------------------------
+    def restore(self, ckpt) -> int | None:
+        """Load the newest verified checkpoint of `ckpt` (an er.Checkpointer) into the
+        objects, register them for resizes, and return its step (None: there is none,
+        and the objects keep what they hold)."""
+        loaded = ckpt.restore(self._objects)
+        if loaded is not None:
+            self._step = loaded
+            self._remember_position()
+        return loaded
+
+    # ---- keeping the state through a re-formation ----------------------------------------
+    def check_replicated(self) -> None:
+        """Raise ShardedStateError if any object's state holds a sharded tensor."""
+        sharded = _sharded_types()
+        if not sharded:
+            return
+        for name, value in self._objects.items():
+            where = _find_sharded(value.state_dict(), sharded, name)
+            if where is not None:
+                raise ShardedStateError(
+                    f"er.State holds a sharded tensor ({where}): its shards are not "
+                    "replicated on other ranks, so the job cannot re-form in place when "
+                    "a member is lost; the launcher restarts the workers from the last "
+                    "checkpoint instead. Keep the state replicated (DDP) to re-form in place.")
+
+    def sync(self, group: Any = None) -> int:
+        """Bring every rank of the job to the newest step any rank holds (every rank of
+        the default process group calls it, after each (re-)formation).
+
+        Returns the bytes this rank received (0 on the source and on every rank that
+        was up to date): summed over the ranks, the bytes the sync moved.
+
+        Raises:
+            ShardedStateError: the state holds sharded tensors (see check_replicated).
+            RuntimeError: a collective failed (a peer died); er.elastic re-forms again.
+        """
+        import torch.distributed as dist
+
+        if group not in (None, getattr(dist.group, "WORLD", None)):
+            raise ValueError("State.sync() runs on the default process group only")
+        self.last_sync = SyncReport(self._step, None, (), 0)
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0
+        self.check_replicated()
+        if dist.get_world_size() == 1:
+            return 0
+        steps = _all_gather_steps(self._step)
+        source, behind = plan_transfer(steps)
+        received = self._transfer(source, behind) if behind else 0
+        self.last_sync = SyncReport(self._step, source if behind else None, behind, received)
+        if received:
+            log.info("received the state of step %d from rank %d (%d bytes)",
+                     self._step, source, received)
+        return received
+
+    def _transfer(self, source: int, behind: tuple[int, ...]) -> int:
+        """Broadcast the source's state to the ranks behind; bytes received here."""
+        import torch.distributed as dist
+
+        # Every rank creates the group, members or not: torch requires it.
+        group = dist.new_group(sorted((source, *behind)))
+        rank = dist.get_rank()
+        if rank != source and rank not in behind:
+            return 0
+        try:
+            payload = self._payload() if rank == source else None
+            data = _broadcast_bytes(payload, source, group)
+        finally:
+            dist.destroy_process_group(group)
+        if rank == source:
+            return 0
+        self._load_payload(data)
+        return len(data)
+
+    def _payload(self) -> bytes:
+        import torch
+
+        buffer = io.BytesIO()
+        torch.save({"step": self._step,
+                    "objects": {name: value.state_dict() for name, value in self._objects.items()}},
+                   buffer)
+        return buffer.getvalue()
+
+    def _load_payload(self, data: bytes) -> None:
+        import torch
+
+        # weights_only=False: the bytes come from a peer of this job over its own
+        # process group (torch's object collectives unpickle them the same way), and
+        # users' objects may hold more than tensors.
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        for name, value in self._objects.items():
+            value.load_state_dict(state["objects"][name])
+        self._step = int(state["step"])
+        self._remember_position()
+
+
+def _device():
+    """Where collective tensors live: the default group's backend decides."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather_steps(step: int) -> list[int]:
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([step], dtype=torch.int64, device=_device())
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [int(value.item()) for value in everyone]
+
+
+def _broadcast_bytes(payload: bytes | None, source: int, group: Any) -> bytes:
+    """The source's bytes on every member of `group`: the size first, then the bytes."""
+    import torch
+    import torch.distributed as dist
+
+    device = _device()
+    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64,
+                        device=device)
+    dist.broadcast(size, src=source, group=group)
+    if payload is not None:
+        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=source, group=group)
+    return payload if payload is not None else buffer.cpu().numpy().tobytes()
+
+
+def _sharded_types() -> tuple[type, ...]:
+    found = []
+    try:
+        from torch.distributed.tensor import DTensor
+        found.append(DTensor)
+    except ImportError:
+        pass
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+        found.append(ShardedTensor)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+def _find_sharded(value: Any, sharded: tuple[type, ...], path: str) -> str | None:
+    """The path of the first sharded tensor in a (nested) state dict, or None."""
+    if isinstance(value, sharded):
+        return path
+    if isinstance(value, Mapping):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        where = _find_sharded(item, sharded, f"{path}.{key}")
+        if where is not None:
+            return where
+    return None
