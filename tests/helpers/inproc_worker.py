@@ -1,0 +1,99 @@
+"""A worker written with `er.State` + `@er.elastic`, for the in-process re-formation tests.
+
+A tiny DDP model (SGD with momentum, so the optimizer has state to move) trained on
+synthetic data through ElasticSampler. Every rank appends JSON lines to its own file
+in --trace-dir (named by its pid, which re-formations keep):
+- {"kind": "sync", ...}: what State.sync did before each call of train();
+- {"kind": "step", ...}: after each step's optimizer step: the indices it trained, its
+  rank, world, round, and a hash of the parameters (equal on every rank of a step);
+- {"kind": "held", "step"}: it reached --hold-at and waits until --release exists;
+- {"kind": "done", ...}: train() returned.
+The test plays the agent through each worker's ReformChannel.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import elastic_runner as er
+from elastic_runner.worker import elastic as er_elastic
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trace-dir", required=True)
+    parser.add_argument("--samples", type=int, default=360)
+    parser.add_argument("--batch", type=int, default=12)
+    parser.add_argument("--hold-at", type=int, default=-1, help="wait at this step for --release")
+    parser.add_argument("--release", default="")
+    parser.add_argument("--ckpt", default="")
+    parser.add_argument("--every", type=int, default=0)
+    parser.add_argument("--assignment-timeout", type=float, default=120.0)
+    return parser.parse_args()
+
+
+def param_hash(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        digest.update(param.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def main() -> None:
+    args = parse_args()
+    er_elastic.ASSIGNMENT_TIMEOUT_S = args.assignment_timeout
+    er.init()
+    trace = open(Path(args.trace_dir) / f"worker-{os.getpid()}.jsonl", "a", buffering=1)
+
+    def log(kind: str, **fields) -> None:
+        ctx = er.current()
+        trace.write(json.dumps({"kind": kind, "pid": os.getpid(), "rank": ctx.rank,
+                                "world": ctx.world_size, "round": ctx.round, **fields}) + "\n")
+
+    generator = torch.Generator().manual_seed(7)
+    inputs = torch.randn(args.samples, 8, generator=generator)
+    targets = torch.randn(args.samples, 2, generator=generator)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sampler = er.ElasticSampler(args.samples, global_batch_size=args.batch, seed=3)
+    state = er.State(model=model, optimizer=optimizer, sampler=sampler)
+    ckpt = er.Checkpointer(args.ckpt, every=args.every) if args.ckpt else None
+    if ckpt is not None:
+        state.restore(ckpt)
+
+    @er.elastic(state)
+    def train(state):
+        sync = state.last_sync
+        log("sync", step=state.step, received=sync.received if sync else None,
+            source=sync.source if sync else None,
+            receivers=list(sync.receivers) if sync else None, hash=param_hash(model))
+        ddp = DDP(model)
+        for step, indices in sampler:
+            optimizer.zero_grad()
+            batch = torch.tensor(indices, dtype=torch.long)
+            loss = torch.nn.functional.mse_loss(ddp(inputs[batch]), targets[batch])
+            loss.backward()
+            optimizer.step()
+            log("step", step=step, indices=indices, hash=param_hash(model))
+            if ckpt is not None and ckpt.due(step):
+                ckpt.save(step, state)
+            if step == args.hold_at:
+                log("held", step=step)
+                while not os.path.exists(args.release):
+                    time.sleep(0.01)
+        return sampler.step
+
+    last = train()
+    log("done", step=last, hash=param_hash(model))
+    er.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Workers that survive a resize in their own process (issue 15): the worker's half.
+
+Real worker processes (tests/helpers/inproc_worker.py: `er.State` + `@er.elastic`, a
+DDP model, gloo on loopback), each in its own "node" folder with its own re-formation
+channel; the test plays every agent through `ReformChannel`: it asks pauses, writes
+assignments and starts newcomers, as agent/reform_driver.py does. A worker holds at
+step HOLD (its trace says so) until the test releases it, so each fault lands at a
+known step. Assertions are outcomes: steps, world sizes, parameter hashes, samples,
+exit codes, PIDs.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_runner.contract import EXIT_FOR_RESIZE, WorkerEnv
+from elastic_runner.etcd.server import free_port
+from elastic_runner.reform import ASKED, COLLECTIVE_ERROR, PAUSED, TRAINING, Assignment, ReformChannel
+
+SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "inproc_worker.py"
+SAMPLES, BATCH = 360, 12  # 30 steps; 12 splits evenly over 1, 2, 3 and 4 ranks
+LAST_STEP = SAMPLES // BATCH
+HOLD = 8
+DEADLINE_S = 120.0
+
+
+class Node:
+    """One node's folder, channel and (at most one) worker process; the test is its agent."""
+
+    def __init__(self, root: Path, name: str):
+        self.dir = root / name
+        self.dir.mkdir()
+        self.channel = ReformChannel(self.dir / "reform")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, cluster: "Cluster", rank: int, world: int, port: int, round_number: int,
+              *extra: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTIC_RUN_", "TORCHELASTIC_"))}
+        env.update(WorkerEnv(
+            rank=rank, local_rank=0, world_size=world, local_world_size=1, group_rank=rank,
+            group_world_size=world, role_rank=rank, role_world_size=world,
+            master_addr="127.0.0.1", master_port=port, round=round_number,
+            notice_path=str(self.dir / "notice"), progress_dir=str(self.dir / "progress"),
+            reform_dir=str(self.channel.directory), collective_timeout_s=30).to_env())
+        (self.dir / "progress").mkdir(exist_ok=True)
+        self.log = open(self.dir / "worker.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "--trace-dir", str(cluster.traces),
+             "--samples", str(SAMPLES), "--batch", str(BATCH), "--release", str(cluster.go),
+             *extra], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def state(self):
+        return self.channel.states().get(0)
+
+    def output(self) -> str:
+        return (self.dir / "worker.log").read_text(errors="replace")[-3000:]
+
+
+class Cluster:
+    def __init__(self, root: Path, count: int):
+        self.root = root
+        self.traces = root / "traces"
+        self.traces.mkdir()
+        self.go = root / "go"
+        self.nodes = [Node(root, f"node{i}") for i in range(count)]
+
+    def rows(self, kind: str) -> list[dict]:
+        found = []
+        for path in self.traces.glob("worker-*.jsonl"):
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a SIGKILL
+                if row["kind"] == kind:
+                    found.append(row)
+        return found
+
+    def wait(self, outcome, what: str, expect_exits: tuple[Node, ...] = ()):
+        """Poll `outcome()` until truthy; fail at once if a worker not expected to
+        exit has exited, and after DEADLINE_S with every worker's output."""
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            value = outcome()
+            if value:
+                return value
+            for node in self.nodes:
+                if node.proc is not None and node not in expect_exits \
+                        and node.proc.poll() is not None:
+                    pytest.fail(f"{node.dir.name} exited with {node.proc.returncode} while "
+                                f"waiting for {what}:\n{node.output()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} within {DEADLINE_S:g} s:\n" + "\n".join(
+                    f"--- {n.dir.name}: {n.state()}\n{n.output()}" for n in self.nodes))
+            time.sleep(0.02)  # a polling interval, not a synchronisation
+
+    def wait_held(self, nodes: list[Node]) -> None:
+        pids = {node.proc.pid for node in nodes}
+        self.wait(lambda: pids <= {row["pid"] for row in self.rows("held")}, "every worker held")
+
+    def wait_phase(self, nodes: list[Node], round_number: int, phase: str,
+                   expect_exits: tuple[Node, ...] = ()) -> list:
+        def reached():
+            states = [node.state() for node in nodes]
+            if all(s is not None and s.round == round_number and s.phase == phase
+                   for s in states):
+                return states
+            return None
+        return self.wait(reached, f"{phase} in round {round_number}", expect_exits)
+
+    def exit_codes(self, nodes: list[Node]) -> list[int]:
+        self.wait(lambda: all(n.proc.poll() is not None for n in nodes), "every worker's exit",
+                  expect_exits=tuple(nodes))
+        return [node.proc.returncode for node in nodes]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if node.proc is not None and node.proc.poll() is None:
+                os.kill(node.proc.pid, signal.SIGKILL)
+                node.proc.wait()
+
+
+@pytest.fixture
+def cluster_of(tmp_path):
+    made = []
+
+    def make(count: int) -> Cluster:
+        made.append(Cluster(tmp_path, count))
+        return made[-1]
+
+    yield make
+    for cluster in made:
+        cluster.stop()
+
+
+def assign(node: Node, round_number: int, rank: int, world: int, port: int) -> None:
+    node.channel.assign(0, Assignment(round_number, rank, world, 1, rank, world,
+                                      "127.0.0.1", port, restart_count=0))
+
+
+# ---- what every scenario checks ----------------------------------------------------
+def completed_steps(cluster: Cluster) -> dict[int, list[dict]]:
+    """Each step's rows from the last round that logged it."""
+    by_step = collections.defaultdict(lambda: collections.defaultdict(list))
+    for row in cluster.rows("step"):
+        by_step[row["step"]][row["round"]].append(row)
+    return {step: rounds[max(rounds)] for step, rounds in by_step.items()}
+
+
+def assert_consistent(cluster: Cluster, worlds: dict[int, int]) -> None:
+    """Every step 1..LAST_STEP was trained once, by every rank of its round's world
+    (`worlds`: round -> world size), with equal parameters on every rank, and every
+    sample of the epoch exactly once."""
+    steps = completed_steps(cluster)
+    assert sorted(steps) == list(range(1, LAST_STEP + 1))
+    samples = collections.Counter()
+    for step, rows in steps.items():
+        round_number = rows[0]["round"]
+        assert sorted(r["rank"] for r in rows) == list(range(worlds[round_number])), step
+        assert {r["world"] for r in rows} == {worlds[round_number]}
+        assert len({r["hash"] for r in rows}) == 1, f"ranks disagree on step {step}: {rows}"
+        for row in rows:
+            samples.update(row["indices"])
+    assert sorted(samples) == list(range(SAMPLES)) and set(samples.values()) == {1}
+
+
+def pids_by_round(cluster: Cluster) -> dict[int, set[int]]:
+    found = collections.defaultdict(set)
+    for row in cluster.rows("step"):
+        found[row["round"]].add(row["pid"])
+    return found
+
+
+# ---- the scenarios ----------------------------------------------------------------
+def test_asked_pause_shrinks_to_two_workers_that_keep_their_processes(cluster_of, tmp_path):
+    cluster = cluster_of(3)
+    port = free_port()
+    for rank, node in enumerate(cluster.nodes):
+        node.start(cluster, rank, 3, port, 0, "--hold-at", str(HOLD),
+                   "--ckpt", str(tmp_path / "ckpt"), "--every", "7")
+    cluster.wait_held(cluster.nodes)
+    for node in cluster.nodes:
+        node.channel.ask_pause(0)
+    cluster.go.touch()
+    paused = cluster.wait_phase(cluster.nodes, 0, PAUSED)
+    # The pause read at step HOLD's boundary is agreed at the next one (pipelined).
+    assert [(s.step, s.reason) for s in paused] == [(HOLD + 1, ASKED)] * 3
+    leaver, first, second = cluster.nodes
+    port = free_port()
+    leaver.channel.assign(0, Assignment(1, leave=True))
+    assign(first, 1, 1, 2, port)  # old rank 1 -> 1
+    assign(second, 1, 0, 2, port)  # old rank 2 -> 0: hosts the store, writes checkpoints
+    assert cluster.exit_codes(cluster.nodes) == [EXIT_FOR_RESIZE, 0, 0]
+    assert [n.state().phase for n in (first, second)] == [TRAINING, TRAINING]
+    assert {n.state().round for n in (first, second)} == {1}
+    assert_consistent(cluster, {0: 3, 1: 2})
+    survivors = {first.proc.pid, second.proc.pid}
+    assert pids_by_round(cluster) == {0: survivors | {leaver.proc.pid}, 1: survivors}
+    assert max(r["step"] for r in cluster.rows("step") if r["round"] == 0) == HOLD + 1
+    syncs = [r for r in cluster.rows("sync") if r["round"] == 1]
+    assert len(syncs) == 2 and all(r["received"] == 0 for r in syncs)  # both at HOLD + 1
+    # The new rank 0 (a survivor that was rank 2) saved on the cadence after the resize.
+    assert (tmp_path / "ckpt" / f"step-{28:08d}" / "MANIFEST.json").exists()
+
+
+def test_a_killed_peer_pauses_the_survivors_who_finish_at_two(cluster_of):
+    cluster = cluster_of(3)
+    port = free_port()
+    for rank, node in enumerate(cluster.nodes):
+        node.start(cluster, rank, 3, port, 0, "--hold-at", str(HOLD))
+    cluster.wait_held(cluster.nodes)
+    first, second, victim = cluster.nodes
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait()
+    cluster.go.touch()
+    paused = cluster.wait_phase([first, second], 0, PAUSED, expect_exits=(victim,))
+    assert all(s.reason.startswith(COLLECTIVE_ERROR + ": ") for s in paused), paused
+    assert [s.step for s in paused] == [HOLD, HOLD]  # HOLD + 1 was in flight
+    port = free_port()
+    assign(first, 1, 0, 2, port)
+    assign(second, 1, 1, 2, port)
+    assert cluster.exit_codes([first, second, victim]) == [0, 0, -signal.SIGKILL]
+    assert_consistent(cluster, {0: 3, 1: 2})
+    round1 = [r["step"] for r in cluster.rows("step") if r["round"] == 1]
+    assert min(round1) == HOLD + 1  # at most the step in flight is re-done
+    assert pids_by_round(cluster)[1] == {first.proc.pid, second.proc.pid}
+
+
+def test_a_newcomer_receives_the_state_from_one_survivor(cluster_of):
+    cluster = cluster_of(3)
+    port = free_port()
+    first, second, newcomer = cluster.nodes
+    for rank, node in enumerate((first, second)):
+        node.start(cluster, rank, 2, port, 0, "--hold-at", str(HOLD))
+    cluster.wait_held([first, second])
+    for node in (first, second):
+        node.channel.ask_pause(0)
+    cluster.go.touch()
+    paused = cluster.wait_phase([first, second], 0, PAUSED)
+    assert [s.step for s in paused] == [HOLD + 1, HOLD + 1]
+    port = free_port()
+    assign(first, 1, 0, 3, port)
+    assign(second, 1, 1, 3, port)
+    newcomer.start(cluster, 2, 3, port, 1)
+    assert cluster.exit_codes(cluster.nodes) == [0, 0, 0]
+    assert_consistent(cluster, {0: 2, 1: 3})
+    syncs = {r["rank"]: r for r in cluster.rows("sync") if r["round"] == 1}
+    assert syncs[2]["received"] > 0  # the newcomer's bytes
+    assert syncs[0]["received"] == 0 and syncs[1]["received"] == 0
+    assert {tuple(r["receivers"]) for r in syncs.values()} == {(2,)}
+    assert {r["source"] for r in syncs.values()} == {0}
+    assert {r["step"] for r in syncs.values()} == {HOLD + 1}
+    assert len({r["hash"] for r in syncs.values()}) == 1  # identical parameters after it
+
+
+def test_a_node_with_notice_leaves_without_a_checkpoint_and_the_others_pause(
+        cluster_of, tmp_path):
+    cluster = cluster_of(3)
+    port = free_port()
+    for rank, node in enumerate(cluster.nodes):
+        node.start(cluster, rank, 3, port, 0, "--hold-at", str(HOLD),
+                   "--ckpt", str(tmp_path / "ckpt"), "--every", "1000")
+    cluster.wait_held(cluster.nodes)
+    first, second, leaver = cluster.nodes
+    (leaver.dir / "notice").touch()  # its agent relays a spot notice; nobody asks a pause
+    cluster.go.touch()
+    paused = cluster.wait_phase([first, second], 0, PAUSED, expect_exits=(leaver,))
+    assert [(s.step, s.reason) for s in paused] == [(HOLD + 1, ASKED)] * 2
+    assert cluster.exit_codes([leaver]) == [EXIT_FOR_RESIZE]
+    assert not list((tmp_path / "ckpt").glob("step-*"))  # the state stays with the others
+    port = free_port()
+    assign(first, 1, 0, 2, port)
+    assign(second, 1, 1, 2, port)
+    assert cluster.exit_codes(cluster.nodes) == [0, 0, EXIT_FOR_RESIZE]
+    assert_consistent(cluster, {0: 3, 1: 2})
