@@ -63,10 +63,15 @@ ASSIGNMENT_TIMEOUT_S = 900.0
 # transport ("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer ..." when
 # a peer process died, "Read error ...: Connection reset by peer" from DDP's backward,
 # "[.../unbound_buffer.cc:78] Timed out waiting 5000ms for recv ..." for a frozen
-# peer); torch's own DistError types cover the store and NCCL.
-_COLLECTIVE_SIGNS = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer",
+# peer); torch's own DistError types cover the store and NCCL. Not any text naming
+# gloo: "Tensors must be CPU and dense" is the script's bug, not a lost peer.
+_COLLECTIVE_SIGNS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
                      "Broken pipe", "Timed out waiting")
 _REASON_CHARS = 500
+# A collective that fails at the same step in this many rounds in a row fails for a
+# reason a new group does not cure (a script's bug torch reports as a DistError): the
+# worker then fails with it, and the agent takes the restart path, which counts it.
+MAX_FAILURES_PER_STEP = 3
 
 
 def collective_failure(error: BaseException) -> str | None:
@@ -127,6 +132,7 @@ class Reformer:
         self.state, self.context, self.channel, self.job = state, context, channel, job
         self.assignment_timeout_s = (ASSIGNMENT_TIMEOUT_S if assignment_timeout_s is None
                                      else assignment_timeout_s)
+        self._failed_at: tuple[int, int] = (-2, 0)  # (step, consecutive failures there)
 
     def run(self, call: Callable[[], Any]) -> Any:
         self._attach()
@@ -139,7 +145,7 @@ class Reformer:
                 reason = ASKED
             except RuntimeError as error:
                 first_line = collective_failure(error)
-                if first_line is None:
+                if first_line is None or self._hopeless():
                     raise
                 reason = f"{COLLECTIVE_ERROR}: {first_line}"
                 self.state.rollback()
@@ -148,6 +154,12 @@ class Reformer:
                 self._detach()
                 return result
             self._reform(reason)
+
+    def _hopeless(self) -> bool:
+        """Collectives failed at this step in more than MAX_FAILURES_PER_STEP rounds."""
+        step, count = self._failed_at
+        self._failed_at = (self.state.step, count + 1 if step == self.state.step else 1)
+        return self._failed_at[1] > MAX_FAILURES_PER_STEP
 
     # ---- one re-formation ------------------------------------------------------------
     def _reform(self, reason: str) -> None:

@@ -153,7 +153,27 @@ def test_torch_distributed_errors_are_collective_failures_and_others_are_not():
 
     assert elastic.collective_failure(dist.DistNetworkError("store gone")) == "store gone"
     assert elastic.collective_failure(RuntimeError("mat1 and mat2 shapes cannot be")) is None
-    assert elastic.collective_failure(ValueError("gloo")) is None
+    assert elastic.collective_failure(RuntimeError("Tensors must be CPU and dense (gloo)")) is None
+    assert elastic.collective_failure(ValueError("Connection reset by peer")) is None
+
+
+def test_a_collective_that_keeps_failing_at_one_step_fails_the_worker(context, tmp_path,
+                                                                      monkeypatch):
+    """Re-forming cannot cure a script's own error: after MAX_FAILURES_PER_STEP rounds
+    that all failed at the same step, the error is raised (the restart path counts it)."""
+    import torch.distributed as dist
+
+    worker = paused_worker(context, tmp_path)
+    reforms = []
+    monkeypatch.setattr(worker, "_reform", reforms.append)
+
+    def train():
+        raise dist.DistBackendError("invalid usage")
+
+    with pytest.raises(dist.DistBackendError):
+        worker.run(train)
+    assert len(reforms) == elastic.MAX_FAILURES_PER_STEP
+    assert all(reason == "collective-error: invalid usage" for reason in reforms)
 
 
 # ---- the step boundary under er.elastic, one rank -----------------------------------------
