@@ -43,6 +43,9 @@ VARIANTS = {
                    "elastic-run", {}, ("--ckpt", "er-cadence")),
     "er+sampler": ("elastic-run + ElasticSampler, no checkpointer", "elastic-run", {},
                    ("--ckpt", "er-sampler")),
+    # Issue 15: the same workload written with er.State + @er.elastic.
+    "er-inproc": ("elastic-run in-process (er.elastic)", "elastic-run", {},
+                  ("--ckpt", "er-inproc")),
     "tr": ("torchrun c10d (default)", "torchrun", {}, ()),
     "tr-noshare": ("torchrun c10d + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun",
                    {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, ()),

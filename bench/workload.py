@@ -19,6 +19,8 @@ meaningful under elastic-run except plain:
   er-cadence   er.ElasticSampler + er.Checkpointer saving on its own cadence
                (`step % every == 0`, the objects themselves), never calling due()
   er-sampler   er.ElasticSampler, no checkpointer
+  er-inproc    er.State + @er.elastic: workers survive a resize in their own process
+               (issue 15); an er.Checkpointer on its cadence keeps durable copies
 """
 
 import time
@@ -45,7 +47,7 @@ def main() -> None:
     ap.add_argument("--step-time", type=float, default=0.05, help="extra sleep per step (s)")
     ap.add_argument("--local-batch", type=int, default=32)
     ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--ckpt", choices=("plain", "er", "er-cadence", "er-sampler"),
+    ap.add_argument("--ckpt", choices=("plain", "er", "er-cadence", "er-sampler", "er-inproc"),
                     default="plain")
     args = ap.parse_args()
 
@@ -69,6 +71,9 @@ def main() -> None:
     path = os.path.join(args.ckpt_dir, "ckpt.pt")
     if args.ckpt in ("er-cadence", "er-sampler"):
         run_with_sampler(args, model, opt, rank, world, restart, rnd)
+        return
+    if args.ckpt == "er-inproc":
+        run_in_process(args, model, opt, t_pg)
         return
     if args.ckpt == "er":
         import elastic_runner as er
@@ -150,6 +155,42 @@ def run_with_sampler(args, model, opt, rank, world, restart, rnd) -> None:
         if args.steps and step >= args.steps:
             break
     er.finish()
+
+
+def run_in_process(args, model, opt, t_pg: float) -> None:
+    """The in-process style: one process for the whole run; rank, world size and round
+    are read from the runtime at every step because a re-formation changes them."""
+    import elastic_runner as er
+
+    sampler = er.ElasticSampler(SAMPLER_SAMPLES, global_batch_size=args.local_batch,
+                                policy="constant-local", shuffle=False)
+    state = er.State(model=model, optim=opt, sampler=sampler)
+    ckpt = er.Checkpointer(args.ckpt_dir, keep=2)
+    start_step = state.restore(ckpt)
+    out = open(args.out, "a", buffering=1)
+    ctx = er.current()
+    out.write(json.dumps({"kind": "start", "t_proc": T_PROC, "t_torch": T_TORCH, "t_pg": t_pg,
+                          "resume_step": (start_step or -1) + 1, **dynamic(ctx)}) + "\n")
+
+    @er.elastic(state)
+    def train(state):
+        gen = torch.Generator().manual_seed(1000 + ctx.rank)
+        for step, indices in sampler:
+            train_step(model, opt, torch.randn(len(indices), args.dim, generator=gen),
+                       ctx.world_size)
+            log_step(out, args, step, ctx.world_size, dynamic(ctx))
+            if args.every and step % args.every == 0:
+                ckpt.save(step, state)
+            if args.steps and step >= args.steps:
+                return
+
+    train()
+    er.finish()
+
+
+def dynamic(ctx) -> dict:
+    return {"rank": ctx.rank, "world": ctx.world_size, "restart": str(ctx.restart_count),
+            "round": str(ctx.round), "pid": os.getpid(), "ppid": os.getppid()}
 
 
 # Enough for any benchmark run (~50 steps/s); unshuffled, the order costs one list.

@@ -1,0 +1,107 @@
+"""The MLP of train_mlp.py, written to survive resizes in its own process.
+
+A membership change (a node lost, a node leaving with notice, a node joining) does
+not restart this script: its workers pause at a step boundary, re-form the process
+group at the new world size, take the model, optimizer and data position from a peer
+that has them (a newcomer) or keep their own (a survivor), and `train()` is called
+again. Only the first start of the job, and the loss of every copy, read a checkpoint.
+
+    elastic-run --min-nodes 1 --max-nodes 4 examples/train_inproc.py --steps 300
+
+With --trace FILE every rank appends one JSON line per step: the indices it trained,
+its pid, world size, round, and a checksum of the parameters after the step (all ranks
+must agree on it at every step; the in-process tests check exactly that).
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import elastic_runner as er
+
+
+def synthetic_dataset(num_samples: int, dim: int, seed: int = 1234):
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(num_samples, dim, generator=generator)
+    weights = torch.randn(dim, 1, generator=generator)
+    targets = torch.tanh(inputs @ weights) + 0.01 * torch.randn(num_samples, 1, generator=generator)
+    return inputs, targets
+
+
+def build_model(dim: int) -> torch.nn.Module:
+    torch.manual_seed(0)  # identical initial weights on every rank and every run
+    return torch.nn.Sequential(torch.nn.Linear(dim, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=0, help="stop after this global step (0: epochs)")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--checkpoint-dir", default="runs/inproc-ckpt")
+    parser.add_argument("--every", type=int, default=100, help="durable checkpoint cadence (steps)")
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step")
+    parser.add_argument("--trace", help="append one JSON line per step (indices, checksum)")
+    return parser.parse_args()
+
+
+def checksum(model: torch.nn.Module) -> float:
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in model.parameters()))
+
+
+def main() -> None:
+    args = parse_args()
+    er.init()
+    inputs, targets = synthetic_dataset(args.samples, args.dim)
+    model = build_model(args.dim)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    sampler = er.ElasticSampler(args.samples, global_batch_size=args.global_batch, seed=0)
+    state = er.State(model=model, optimizer=optimizer, sampler=sampler)
+    ckpt = er.Checkpointer(args.checkpoint_dir, keep=3, every=args.every)
+    state.restore(ckpt)
+    trace = open(args.trace, "a", buffering=1) if args.trace else None
+
+    @er.elastic(state)
+    def train(state):
+        ctx = er.current()
+        for epoch in range(sampler.epoch, args.epochs):
+            sampler.set_epoch(epoch)
+            for step, indices in sampler:
+                optimizer.zero_grad()
+                batch = torch.tensor(indices, dtype=torch.long)
+                loss_sum = torch.nn.functional.mse_loss(
+                    model(inputs[batch]), targets[batch], reduction="sum") if indices else \
+                    sum(p.sum() * 0 for p in model.parameters())
+                (loss_sum / sampler.batch_plan.global_batch).backward()
+                for param in model.parameters():
+                    if ctx.world_size > 1:
+                        dist.all_reduce(param.grad)
+                optimizer.step()
+                if trace:
+                    trace.write(json.dumps({
+                        "step": step, "rank": ctx.rank, "world": ctx.world_size,
+                        "round": ctx.round, "pid": os.getpid(), "epoch": epoch,
+                        "indices": indices, "checksum": checksum(model),
+                        "t": time.time()}) + "\n")
+                if args.step_time:
+                    time.sleep(args.step_time)
+                if ckpt.due(step):
+                    ckpt.save(step, state)  # the same names restore() reads back
+                if args.steps and step >= args.steps:
+                    return step
+        return sampler.step
+
+    train()
+    er.finish()
+
+
+if __name__ == "__main__":
+    main()

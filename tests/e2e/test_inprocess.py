@@ -1,0 +1,186 @@
+"""Workers that survive a resize in their own process (issue 15), end to end.
+
+Real agents, real etcd, real gloo workers running examples/train_inproc.py
+(`er.State` + `@er.elastic`). Each rank logs one line per step with its pid, round,
+world size, the sample indices it trained and a checksum of the parameters after the
+step. The assertions are the issue's: surviving workers keep their PIDs, every rank
+agrees on the checksum at every step of a round, every sample of the epoch is trained
+exactly once (counting each step in the last round that completed it), and at most the
+step in flight is re-done on a loss, none on a notice or a join.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import Job
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_inproc.py"
+SAMPLES = 7200
+BATCH = 24  # divisible by 1, 2, 3 and 4 ranks: every rank trains the same count per step
+LAST_STEP = SAMPLES // BATCH  # the sampler counts steps from 1
+
+
+@pytest.fixture
+def inproc(etcd, tmp_path):
+    job = Job(etcd.endpoint, tmp_path, script=SCRIPT, nproc=1, lease_ttl=3, settle=0.5)
+    job.trace = tmp_path / "trace.jsonl"
+    job.script_args = ("--samples", str(SAMPLES), "--global-batch", str(BATCH),
+                       "--step-time", "0.05", "--trace", str(job.trace),
+                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--every", "1000")
+    yield job
+    job.stop_all()
+
+
+def rows(job: Job) -> list[dict]:
+    if not job.trace.exists():
+        return []
+    out = []
+    for line in job.trace.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a SIGKILL mid-write
+    return out
+
+
+def wait_world(job: Job, world: int, steps: int = 3, after_round: int = -1,
+               new_pid: bool = False) -> int:
+    """Wait until every rank of a round with `world` ranks logged `steps` steps; its round.
+
+    `new_pid`: only a round with a process that no earlier round had (a newcomer)."""
+    def reached():
+        trace = rows(job)
+        by_round = collections.defaultdict(collections.Counter)
+        pids_by_round = collections.defaultdict(set)
+        for row in trace:
+            pids_by_round[row["round"]].add(row["pid"])
+            if row["world"] == world and row["round"] > after_round:
+                by_round[row["round"]][row["rank"]] += 1
+        done = [r for r, counts in by_round.items()
+                if len(counts) == world and min(counts.values()) >= steps and (
+                    not new_pid or pids_by_round[r] - set().union(
+                        *(p for q, p in pids_by_round.items() if q < r)))]
+        return [min(done)] if done else None  # a list: round 0 is a result too
+    return job.wait_for(reached, 120, f"{steps} steps at world size {world}")[0]
+
+
+def finished(job: Job, *nodes: str) -> dict[str, int]:
+    return {node: job.wait_exit(node, timeout=180) for node in nodes}
+
+
+def check_consistency(trace: list[dict]) -> None:
+    """Every rank of a round logged the same checksum at each step."""
+    by_step = collections.defaultdict(set)
+    for row in trace:
+        by_step[(row["round"], row["step"])].add(round(row["checksum"], 6))
+    assert [key for key, sums in by_step.items() if len(sums) > 1] == []
+
+
+def check_exactly_once(trace: list[dict]) -> collections.Counter:
+    """Each step counts in the last round that completed it; return steps re-done."""
+    last_round = {}
+    for row in trace:
+        last_round[row["step"]] = max(last_round.get(row["step"], -1), row["round"])
+    trained = collections.Counter()
+    for row in trace:
+        if row["round"] == last_round[row["step"]]:
+            trained.update(row["indices"])
+    assert sorted(trained) == list(range(SAMPLES))
+    assert set(trained.values()) == {1}
+    rounds_per_step = collections.Counter()
+    for step, rounds in _rounds_by_step(trace).items():
+        rounds_per_step[step] = len(rounds)
+    return collections.Counter({s: n - 1 for s, n in rounds_per_step.items() if n > 1})
+
+
+def _rounds_by_step(trace: list[dict]) -> dict[int, set[int]]:
+    found = collections.defaultdict(set)
+    for row in trace:
+        found[row["step"]].add(row["round"])
+    return found
+
+
+def pids(trace: list[dict]) -> set[int]:
+    return {row["pid"] for row in trace}
+
+
+def test_a_node_leaving_with_notice_costs_no_step_and_no_process(inproc):
+    inproc.start("a", "b", "c", notice_deadline=20)
+    first = wait_world(inproc, 3)
+    inproc.terminate("c")
+    wait_world(inproc, 2, after_round=first)
+    assert finished(inproc, "a", "b", "c") == {"a": 0, "b": 0, "c": 0}
+    trace = rows(inproc)
+    check_consistency(trace)
+    assert check_exactly_once(trace) == {}  # zero steps re-done
+    assert len(pids(trace)) == 3  # nobody restarted
+    assert max(r["step"] for r in trace) == LAST_STEP
+
+
+def test_a_node_joining_receives_the_state_and_nobody_restarts(inproc):
+    inproc.start("a", "b")
+    first = wait_world(inproc, 2)
+    inproc.start("c")
+    wait_world(inproc, 3, after_round=first)
+    assert finished(inproc, "a", "b", "c") == {"a": 0, "b": 0, "c": 0}
+    trace = rows(inproc)
+    check_consistency(trace)
+    assert check_exactly_once(trace) == {}
+    assert len(pids(trace)) == 3
+
+
+def test_sigkill_of_the_rank0_host_redoes_at_most_the_step_in_flight(inproc):
+    inproc.start("a", "b", "c")
+    first = wait_world(inproc, 3)
+    host = next(r for r in rows(inproc) if r["round"] == first and r["rank"] == 0)["pid"]
+    node = next(n for n in ("a", "b", "c") if inproc.agents[n].pid == _parent(host))
+    inproc.kill(node)
+    wait_world(inproc, 2, after_round=first)
+    survivors = [n for n in ("a", "b", "c") if n != node]
+    assert finished(inproc, *survivors) == {n: 0 for n in survivors}
+    trace = rows(inproc)
+    check_consistency(trace)
+    redone = check_exactly_once(trace)
+    assert sum(redone.values()) <= 1, redone
+    assert len(pids(trace)) == 3  # the two survivors kept their processes
+
+
+def test_a_frozen_node_does_not_hang_the_survivors(inproc):
+    inproc.start("a", "b", "c")
+    first = wait_world(inproc, 3)
+    inproc.kill("c", signal.SIGSTOP)
+    try:
+        wait_world(inproc, 2, after_round=first)
+    finally:
+        inproc.kill("c", signal.SIGKILL)
+    assert finished(inproc, "a", "b") == {"a": 0, "b": 0}
+    trace = rows(inproc)
+    check_consistency(trace)
+    assert sum(check_exactly_once(trace).values()) <= 1
+
+
+def test_two_changes_in_quick_succession(inproc):
+    inproc.start("a", "b", "c", notice_deadline=20)
+    first = wait_world(inproc, 3)
+    inproc.terminate("c")
+    inproc.start("d")
+    wait_world(inproc, 3, after_round=first, new_pid=True)  # one round or two: both fine
+    assert finished(inproc, "a", "b", "c", "d") == {"a": 0, "b": 0, "c": 0, "d": 0}
+    trace = rows(inproc)
+    check_consistency(trace)
+    assert check_exactly_once(trace) == {}
+    assert len(pids(trace)) == 4
+
+
+def _parent(pid: int) -> int:
+    """A worker's agent: its parent process (field 4 of /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
