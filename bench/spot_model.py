@@ -69,8 +69,9 @@ README_DIED = {("tr", "join"): 63.5, ("tr", "host_sigkill"): 1.0, ("tr-noshare",
 
 
 def _add(*xs):
-    """Sum with None propagating: a derived parameter is measured only if all parts are."""
-    return None if any(x is None for x in xs) else sum(xs)
+    """Sum with None propagating: a derived parameter is measured only if all parts are.
+    A cost is never negative: a difference of two measured totals below 0 is noise."""
+    return None if any(x is None for x in xs) else max(0.0, sum(xs))
 
 
 class _Book:
