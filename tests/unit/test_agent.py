@@ -20,6 +20,7 @@ import pytest
 
 from elastic_runner.agent.agent import Agent
 from elastic_runner.agent.workers import WorkerExit
+from tests.helpers.fake_workers import ExitQueries
 from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, WorkerConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE
 from elastic_runner.errors import (
@@ -123,7 +124,7 @@ class FakeRendezvous:
         return [e for e in self.events if e["kind"] == kind]
 
 
-class FakeWorkers:
+class FakeWorkers(ExitQueries):
     """One round's workers. They exit with `exits` (rank -> code) as soon as they
     start; the others run until signalled or stopped. With `boundary` they write
     progress records that promise a step boundary and, once the agent drops the
@@ -171,19 +172,6 @@ class FakeWorkers:
         return [None if self._codes[r.rank] is None else
                 WorkerExit(r.rank, r.local_rank, self._codes[r.rank], next(self._clock), [], None)
                 for r in self._ranks]
-
-    def first_failure(self) -> WorkerExit | None:
-        failed = [e for e in self.poll() if e and e.exit_code not in (0, EXIT_FOR_RESIZE)]
-        return min(failed, key=lambda e: e.at) if failed else None
-
-    def stalled(self, progress_dir: Path, timeout_s: float) -> WorkerExit | None:
-        return None
-
-    def stopped_for_resize(self) -> bool:
-        return any(e is not None and e.exit_code == EXIT_FOR_RESIZE for e in self.poll())
-
-    def all_succeeded(self) -> bool:
-        return all(e is not None and e.exit_code == 0 for e in self.poll())
 
     def signal_all(self, signum: int) -> None:
         self._journal.append(f"signal {signal.Signals(signum).name}")

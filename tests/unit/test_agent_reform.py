@@ -22,8 +22,8 @@ import pytest
 from elastic_runner.agent import reform_driver
 from elastic_runner.agent.agent import Agent
 from elastic_runner.agent.workers import WorkerExit
+from tests.helpers.fake_workers import ExitQueries
 from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, WorkerConfig
-from elastic_runner.contract import EXIT_FOR_RESIZE
 from elastic_runner.errors import exit_code_for
 from elastic_runner.reform import (
     COLLECTIVE_ERROR, FAILED, PAUSED, TRAINING, Assignment, ReformChannel, WorkerState,
@@ -129,7 +129,7 @@ class FakeWorker(threading.Thread):
         return False
 
 
-class FakeGroup:
+class FakeGroup(ExitQueries):
     """One node's workers of one fresh start (the Workers port)."""
 
     pids_from = itertools.count(1000, 10)
@@ -153,19 +153,6 @@ class FakeGroup:
     def poll(self) -> list[WorkerExit | None]:
         return [WorkerExit(r.rank, r.local_rank, w.code, 0.0, [], None) if w.done.is_set()
                 else None for r, w in zip(self.ranks, self.workers)]
-
-    def first_failure(self) -> WorkerExit | None:
-        failed = [e for e in self.poll() if e and e.exit_code not in (0, EXIT_FOR_RESIZE)]
-        return failed[0] if failed else None
-
-    def stalled(self, progress_dir: Path, timeout_s: float) -> WorkerExit | None:
-        return None
-
-    def stopped_for_resize(self) -> bool:
-        return any(e is not None and e.exit_code == EXIT_FOR_RESIZE for e in self.poll())
-
-    def all_succeeded(self) -> bool:
-        return all(e is not None and e.exit_code == 0 for e in self.poll())
 
     def wait(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
