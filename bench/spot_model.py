@@ -350,7 +350,9 @@ def main(argv=None) -> int:
     if not args.no_save:
         params = {p.name: {k: {"value": _param(p, k), "source": s} for k, s in p.sources} for p in profiles}
         path = c.save("spot_model", {"parameters": params, "runs": runs}, text)
-        print(f"wrote {path} and {c.LATEST / 'spot_model.json'}")
+        # Relative to the repository: the printed text is pasted into bench/README.md.
+        written = [Path(x).resolve().relative_to(c.ROOT) for x in (path, c.LATEST / "spot_model.json")]
+        print(f"wrote {written[0]} and {written[1]}")
     return 0
 
 
