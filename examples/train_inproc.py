@@ -22,19 +22,8 @@ import torch
 import torch.distributed as dist
 
 import elastic_runner as er
-
-
-def synthetic_dataset(num_samples: int, dim: int, seed: int = 1234):
-    generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(num_samples, dim, generator=generator)
-    weights = torch.randn(dim, 1, generator=generator)
-    targets = torch.tanh(inputs @ weights) + 0.01 * torch.randn(num_samples, 1, generator=generator)
-    return inputs, targets
-
-
-def build_model(dim: int) -> torch.nn.Module:
-    torch.manual_seed(0)  # identical initial weights on every rank and every run
-    return torch.nn.Sequential(torch.nn.Linear(dim, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+# The same data and model as train_mlp.py (this folder is on sys.path when run as a script).
+from train_mlp import build_model, synthetic_dataset
 
 
 def parse_args() -> argparse.Namespace:
