@@ -159,8 +159,14 @@ def event_key(prefix: str, time_ns: int, node_id: str) -> str:
 
 
 def is_passive_key(key: str) -> bool:
-    """Keys that record (torch's store, the event log) but decide nothing."""
-    return "/store/" in key or "/events/" in key
+    """Keys that record (torch's store, the event log) but decide nothing. Judged
+    below the run prefix: a run id such as "store" or "events" is a valid id."""
+    split = split_run_key(key)
+    if split is None:
+        return False
+    rest = split[1]
+    return rest.startswith("events/") or (
+        round_of(rest) is not None and rest.split("/")[2] == "store")
 
 
 def node_id_from_key(key: str) -> str:

@@ -388,3 +388,16 @@ def test_no_valid_run_id_has_its_keys_under_another_runs_prefix(a, b):
     """Ids cannot contain '/', so one run's prefix never holds another run's keys."""
     if a != b and p.id_problem(a) is None and p.id_problem(b) is None:
         assert not p.node_key(p.run_prefix(a), "n").startswith(p.run_prefix(b))
+
+
+@pytest.mark.parametrize("run_id", ["job", "store", "events", "rounds"])
+def test_only_the_store_and_the_event_log_are_passive_whatever_the_run_id(run_id):
+    """A run id is a key segment: one named like a passive folder must not make the
+    mirror ignore the run's deciding keys (it would never see a node or a round)."""
+    prefix = p.run_prefix(run_id)
+    deciding = [p.round_key(prefix), p.node_key(prefix, "store"), p.plan_key(prefix, 3),
+                p.join_key(prefix, 3, "events"), p.notice_key(prefix, "n1"),
+                p.checkpoint_key(prefix), p.spec_key(prefix)]
+    passive = [p.store_prefix(prefix, 3) + "k", p.event_key(prefix, 12, "n1")]
+    assert [key for key in deciding if p.is_passive_key(key)] == []
+    assert all(p.is_passive_key(key) for key in passive)
