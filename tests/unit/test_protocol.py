@@ -383,6 +383,7 @@ def test_the_key_layout_parses_only_its_own_keys():
     assert p.round_of("rounds/3") is None
 
 
+@PROPS
 @given(st.from_regex(p.ID_GRAMMAR, fullmatch=True), st.from_regex(p.ID_GRAMMAR, fullmatch=True))
 def test_no_valid_run_id_has_its_keys_under_another_runs_prefix(a, b):
     """Ids cannot contain '/', so one run's prefix never holds another run's keys."""
