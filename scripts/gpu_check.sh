@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One prepared check for a GPU machine (issue 15): elastic-run --standalone
+# --nproc-per-node auto on scripts/gpu_check_worker.py. It checks NCCL
+# initialisation, one in-process re-formation into a new NCCL communicator with
+# every worker kept on its GPU, and prints one PASS/FAIL line per check and the
+# timings (NCCL init, steps, the re-formation pause). Whole run under 5 minutes.
+#
+#   bash scripts/gpu_check.sh            # needs .venv with a CUDA build of torch
+#
+# Exit: 0 every check passed; 1 a check failed (or the run passed its time
+# bound); 2 nothing to check here (no GPU visible, no .venv, no CUDA torch).
+# Flags go to scripts/gpu_check.py (--help lists them).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  echo "gpu_check: cannot run here: no .venv (run scripts/setup.sh with a CUDA build of torch)" >&2
+  exit 2
+fi
+# The job's own bound is 240 s; this one catches a hang before the job starts.
+timeout -k 10 290 .venv/bin/python scripts/gpu_check.py "$@"
+code=$?
+if [ "$code" -eq 124 ] || [ "$code" -eq 137 ]; then
+  echo "gpu_check: FAIL: the check did not finish within 290 s" >&2
+  exit 1
+fi
+exit "$code"

@@ -1,0 +1,153 @@
+"""The training script of scripts/gpu_check.py: what one GPU worker saw, as JSON lines.
+
+Why a failure is injected: on a machine with one GPU the world is one worker, and
+NCCL refuses two ranks on one device, so no second node can come or go. Instead,
+at `--fail-at` of the first round every rank raises a torch DistError, which
+er.elastic classifies as a failed collective: the worker leaves its group, reports
+PAUSED, its agent opens the next round with the same member, and the worker joins
+that round in its own process, in a new process group (a new NCCL communicator).
+
+Each rank appends to `--out` (one JSON object a line, `kind` says which):
+  start   before er.init(): pid, local rank, the monotonic clock
+  init    after er.init() and a first all-reduce (on NCCL it creates the communicator,
+          which init_process_group leaves for later): their seconds, backend, device
+  formed  at each call of the training function, after an all-reduce in that round's
+          group: round, rank, world, pid, device, torch.cuda.current_device(), whether
+          the group is a new object, the NCCL group's uid, that all-reduce's seconds
+  failed  the injected failure: round, step, steps trained in the round and their time
+  steps   a call that trained to the end: round, steps and their time
+  done    after the training function returned
+Every clock value is time.monotonic() of this process: the checker compares values
+of one pid only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+import elastic_runner as er
+
+DIM = 256
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="append JSON lines here")
+    parser.add_argument("--steps", type=int, default=60, help="global steps to train")
+    parser.add_argument("--fail-at", type=int, default=20,
+                        help="step of the first round at which every rank fails")
+    parser.add_argument("--global-batch", type=int, default=64)
+    return parser.parse_args()
+
+
+class Recorder:
+    """One JSON line per event, flushed at once: the agent may stop this process."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "a", buffering=1)
+
+    def write(self, kind: str, **fields) -> None:
+        self._file.write(json.dumps({"kind": kind, "pid": os.getpid(),
+                                     "t": time.monotonic(), **fields}) + "\n")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def first_collective_s(device: torch.device) -> float | None:
+    """Seconds of one all-reduce in the current group (on NCCL the first one also
+    creates the communicator); None outside a group."""
+    if not dist.is_initialized():
+        return None
+    began = time.monotonic()
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe)
+    synchronize(device)
+    return time.monotonic() - began
+
+
+def nccl_uid() -> int | None:
+    """ProcessGroupNCCL.uid: a number torch gives each NCCL group object it creates."""
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+        return int(backend.uid)
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+def main() -> None:
+    args = parse_args()
+    record = Recorder(args.out)
+    record.write("start", local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    began = time.monotonic()
+    ctx = er.init()
+    init_s = time.monotonic() - began
+    device = torch.device(ctx.device)
+    record.write("init", init_s=init_s, first_collective_s=first_collective_s(device),
+                 backend=ctx.backend, device=ctx.device,
+                 cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    samples = args.steps * args.global_batch
+    generator = torch.Generator().manual_seed(1234)
+    inputs = torch.randn(samples, DIM, generator=generator).to(device)
+    targets = torch.randn(samples, 1, generator=generator).to(device)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Tanh(),
+                                torch.nn.Linear(DIM, 1)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    sampler = er.ElasticSampler(samples, global_batch_size=args.global_batch, seed=0)
+    state = er.State(model=model, optimizer=optimizer, sampler=sampler)
+    memory = {"group": None, "failed": False}
+
+    @er.elastic(state)
+    def train(state):
+        ctx = er.current()
+        collective_s = first_collective_s(device)
+        group = dist.group.WORLD if dist.is_initialized() else None
+        previous = memory["group"]() if memory["group"] is not None else None
+        record.write("formed", round=ctx.round, rank=ctx.rank, world=ctx.world_size,
+                     local_rank=ctx.local_rank, backend=dist.get_backend() if group else None,
+                     device=ctx.device,
+                     cuda_device=torch.cuda.current_device() if device.type == "cuda" else None,
+                     new_group=None if memory["group"] is None else group is not previous,
+                     nccl_uid=nccl_uid() if group else None, collective_s=collective_s)
+        memory["group"] = weakref.ref(group) if group is not None else None
+        began, trained = time.monotonic(), 0
+        for step, indices in sampler:
+            if step == args.fail_at and not memory["failed"]:
+                memory["failed"] = True
+                synchronize(device)
+                record.write("failed", round=ctx.round, rank=ctx.rank, step=step,
+                             steps=trained, steps_s=time.monotonic() - began)
+                raise dist.DistError(f"gpu_check: injected collective failure at step {step}")
+            optimizer.zero_grad()
+            batch = torch.tensor(indices, dtype=torch.long, device=device)
+            loss = torch.nn.functional.mse_loss(model(inputs[batch]), targets[batch])
+            loss.backward()
+            for param in model.parameters():
+                dist.all_reduce(param.grad)  # a world of one still runs NCCL
+                param.grad /= ctx.world_size
+            optimizer.step()
+            trained += 1
+            if step >= args.steps:
+                break
+        synchronize(device)
+        record.write("steps", round=ctx.round, rank=ctx.rank, steps=trained,
+                     steps_s=time.monotonic() - began, last_step=sampler.step)
+        return sampler.step
+
+    last = train()
+    record.write("done", last_step=last)
+    er.finish()
+
+
+if __name__ == "__main__":
+    main()

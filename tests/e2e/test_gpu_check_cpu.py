@@ -1,0 +1,43 @@
+"""scripts/gpu_check.{sh,py} on this machine: the GPU check's whole flow as a dry run on
+gloo (a real elastic-run, embedded etcd, a worker that fails a collective and re-forms
+in place), and the clear refusal of the shell script where no GPU is visible."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_check_passes_end_to_end_on_gloo(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--cpu", "--nproc", "1",
+         "--steps", "24", "--fail-at", "8", "--timeout", "90", "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(verdicts) == 11 and all(line.startswith("PASS") for line in verdicts)
+    assert done.stdout.splitlines()[-1] == "gpu_check: 11 of 11 checks passed"
+
+
+def test_the_shell_script_says_no_gpu_and_exits_2():
+    try:
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is visible here")
+    except ImportError:
+        pass
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert done.stderr.strip().startswith("gpu_check: cannot run here:")
+    assert len(done.stderr.strip().splitlines()) == 1
