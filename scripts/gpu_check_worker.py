@@ -84,6 +84,37 @@ def nccl_uid() -> int | None:
         return None
 
 
+def record_formation(record: Recorder, device: torch.device, memory: dict) -> None:
+    """The `formed` line of this call; `memory["group"]` remembers the group weakly, so
+    the next call can tell a new group from the old one without keeping it alive."""
+    ctx = er.current()
+    collective_s = first_collective_s(device)
+    group = dist.group.WORLD if dist.is_initialized() else None
+    previous = memory["group"]() if memory["group"] is not None else None
+    record.write("formed", round=ctx.round, rank=ctx.rank, world=ctx.world_size,
+                 local_rank=ctx.local_rank, device=ctx.device,
+                 backend=dist.get_backend() if group is not None else None,
+                 cuda_device=torch.cuda.current_device() if device.type == "cuda" else None,
+                 new_group=None if memory["group"] is None else group is not previous,
+                 nccl_uid=nccl_uid() if group is not None else None,
+                 collective_s=collective_s)
+    memory["group"] = weakref.ref(group) if group is not None else None
+
+
+def build(args: argparse.Namespace, device: torch.device):
+    """Data, model and optimizer on the worker's device; the sampler; their State."""
+    samples = args.steps * args.global_batch
+    generator = torch.Generator().manual_seed(1234)
+    inputs = torch.randn(samples, DIM, generator=generator).to(device)
+    targets = torch.randn(samples, 1, generator=generator).to(device)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Tanh(),
+                                torch.nn.Linear(DIM, 1)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    sampler = er.ElasticSampler(samples, global_batch_size=args.global_batch, seed=0)
+    return (inputs, targets), er.State(model=model, optimizer=optimizer, sampler=sampler)
+
+
 def main() -> None:
     args = parse_args()
     record = Recorder(args.out)
@@ -95,31 +126,14 @@ def main() -> None:
     record.write("init", init_s=init_s, first_collective_s=first_collective_s(device),
                  backend=ctx.backend, device=ctx.device,
                  cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
-    samples = args.steps * args.global_batch
-    generator = torch.Generator().manual_seed(1234)
-    inputs = torch.randn(samples, DIM, generator=generator).to(device)
-    targets = torch.randn(samples, 1, generator=generator).to(device)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Tanh(),
-                                torch.nn.Linear(DIM, 1)).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    sampler = er.ElasticSampler(samples, global_batch_size=args.global_batch, seed=0)
-    state = er.State(model=model, optimizer=optimizer, sampler=sampler)
+    (inputs, targets), state = build(args, device)
+    model, optimizer, sampler = state.model, state.optimizer, state.sampler
     memory = {"group": None, "failed": False}
 
     @er.elastic(state)
     def train(state):
+        record_formation(record, device, memory)
         ctx = er.current()
-        collective_s = first_collective_s(device)
-        group = dist.group.WORLD if dist.is_initialized() else None
-        previous = memory["group"]() if memory["group"] is not None else None
-        record.write("formed", round=ctx.round, rank=ctx.rank, world=ctx.world_size,
-                     local_rank=ctx.local_rank, backend=dist.get_backend() if group else None,
-                     device=ctx.device,
-                     cuda_device=torch.cuda.current_device() if device.type == "cuda" else None,
-                     new_group=None if memory["group"] is None else group is not previous,
-                     nccl_uid=nccl_uid() if group else None, collective_s=collective_s)
-        memory["group"] = weakref.ref(group) if group is not None else None
         began, trained = time.monotonic(), 0
         for step, indices in sampler:
             if step == args.fail_at and not memory["failed"]:
@@ -130,8 +144,7 @@ def main() -> None:
                 raise dist.DistError(f"gpu_check: injected collective failure at step {step}")
             optimizer.zero_grad()
             batch = torch.tensor(indices, dtype=torch.long, device=device)
-            loss = torch.nn.functional.mse_loss(model(inputs[batch]), targets[batch])
-            loss.backward()
+            torch.nn.functional.mse_loss(model(inputs[batch]), targets[batch]).backward()
             for param in model.parameters():
                 dist.all_reduce(param.grad)  # a world of one still runs NCCL
                 param.grad /= ctx.world_size
@@ -144,8 +157,7 @@ def main() -> None:
                      steps_s=time.monotonic() - began, last_step=sampler.step)
         return sampler.step
 
-    last = train()
-    record.write("done", last_step=last)
+    record.write("done", last_step=train())
     er.finish()
 
 
