@@ -121,7 +121,11 @@ _VARIABLES = {
     "notice_path": "ELASTIC_RUN_NOTICE_PATH", "progress_dir": "ELASTIC_RUN_PROGRESS_DIR",
     "events_path": "ELASTIC_RUN_EVENTS_PATH",
     "reform_dir": "ELASTIC_RUN_REFORM_DIR", "collective_timeout_s": "ELASTIC_RUN_COLLECTIVE_TIMEOUT",
+    "standby": "ELASTIC_RUN_STANDBY",
 }
+# What places a worker in a round: a standby worker (reform.py) is started without them.
+PLACEMENT_FIELDS = ("rank", "world_size", "group_rank", "group_world_size", "role_rank",
+                    "role_world_size", "master_addr", "master_port")
 # The agent's own secret: never handed to a worker (they get etcd_password_file).
 AGENT_ONLY_VARIABLES = ("ELASTIC_RUN_ETCD_PASSWORD",)
 
@@ -163,6 +167,8 @@ class WorkerEnv:
     # may block before a worker gives up on a silent peer (0: torch's default).
     reform_dir: str = ""
     collective_timeout_s: int = 0
+    # Started before its node joined a round: no place yet, the channel gives it one.
+    standby: bool = False
 
     def to_env(self) -> dict[str, str]:
         """The variables to set; empty optional values are left out, as torchrun does."""

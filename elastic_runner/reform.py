@@ -23,6 +23,13 @@ The conversation, one round at a time:
    calls the training function again.
 4. A worker that cannot re-form reports `FAILED` (and exits); the agent then falls
    back to the restart path for that round.
+
+A node that joins a job whose workers re-form in place starts its workers *before*
+it announces itself (agent/standby.py): they run the script up to the training
+function (import torch, build the model, restore) with no place yet, report
+`STANDBY` for round `STANDBY_ROUND`, and wait for an Assignment like a paused worker.
+Only then does the node join, so the others pause for the process group and the state
+transfer only, never for a Python start.
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ REFORM_DIR = "reform"  # in the agent's scratch folder
 TRAINING = "training"  # in round `round`'s process group
 PAUSED = "paused"  # left round `round`'s process group, waiting for an Assignment
 FAILED = "failed"  # could not re-form; about to exit
-PHASES = (TRAINING, PAUSED, FAILED)
+STANDBY = "standby"  # started before its node joined: ready, waiting for a first place
+PHASES = (TRAINING, PAUSED, FAILED, STANDBY)
+STANDBY_ROUND = -1  # the round a standby worker reports (any real round is later)
 
 ASKED = "asked"  # PAUSED because the agent asked (ask_pause)
 COLLECTIVE_ERROR = "collective-error"  # PAUSED because a collective failed: "collective-error: <text>"

@@ -39,6 +39,7 @@ from elastic_runner.agent.ports import NoticeWatcher, Rendezvous, StartWorkers, 
 from elastic_runner.agent.reform_driver import (
     InProcessReform, ReformBounds, ReformContext, round_fields,
 )
+from elastic_runner.agent.standby import WarmStart
 from elastic_runner.config import AgentConfig, EtcdConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE, read_progress
 from elastic_runner.errors import (
@@ -51,7 +52,7 @@ from elastic_runner.rendezvous.engine import EtcdRendezvous
 from elastic_runner.rendezvous.protocol import (
     FINISHED, Cause, CauseKind, JobSpec, Plan, plan_problem,
 )
-from elastic_runner.agent.workers import WorkerExit, WorkerGroup
+from elastic_runner.agent.workers import WorkerExit, WorkerGroup, job_env
 
 log = logging.getLogger("elastic_runner")
 
@@ -101,11 +102,15 @@ class Agent:
         self._cloud_watcher = cloud_watcher
         self._signal: int | None = None
         self._signal_seen = threading.Event()
+        channel = reform.ReformChannel(Path(self._job.reform_dir))
         self._reform = InProcessReform(ReformContext(
-            reform.ReformChannel(Path(self._job.reform_dir)), rendezvous, self.events,
-            config.rendezvous.node_id, ReformBounds.from_config(config), self._signal_seen,
-            config.workers.stop_grace_s, config.max_restarts, self.progress_dir,
-            self._notice_path))
+            channel, rendezvous, self.events, config.rendezvous.node_id,
+            ReformBounds.from_config(config), self._signal_seen, config.workers.stop_grace_s,
+            config.max_restarts, self.progress_dir, self._notice_path))
+        self._warm_start = WarmStart(rendezvous, channel, self.events, self._start_standby,
+                                     config.rendezvous.join_timeout_s,
+                                     config.workers.stop_grace_s, self._signal_seen.is_set)
+        self._standby: Workers | None = None  # ready before joining (standby.py)
         self._paused_at = time.monotonic()  # when the workers last stopped training
         self._plan: Plan | None = None  # the round this node's workers are in
         # How long workers keep training while etcd does not answer.
@@ -151,6 +156,7 @@ class Agent:
                  self._rdzv_config.node_id, self._rdzv_config.run_id,
                  self._rdzv_config.min_nodes, self._rdzv_config.max_nodes,
                  self._config.workers.nproc)
+        self._standby = self._warm_start.begin()
         try:
             self.rendezvous.register()
         except BaseException:  # a duplicate node id, another job's spec: leave no scratch
@@ -175,8 +181,18 @@ class Agent:
             self.close()
 
     def close(self) -> None:
-        """Remove this agent's scratch folder (notice marker, progress, password file)."""
+        """Stop standby workers that never got a place; remove this agent's scratch
+        folder (notice marker, progress, password file)."""
+        if self._standby is not None:
+            self._standby.stop(self._config.workers.stop_grace_s)
+            self._standby = None
         shutil.rmtree(self._scratch, ignore_errors=True)
+
+    def _start_standby(self) -> Workers:
+        self._write_password_file()  # their er.init() reads it, before any round
+        return self._start_workers(None, self._rdzv_config.node_id, self._job,
+                                   self._config.workers, self._base_env,
+                                   echo=self._config.verbosity >= 1, error_dir=self._error_dir)
 
     def _rounds(self) -> int:
         previous: Plan | None = None
@@ -286,11 +302,16 @@ class Agent:
         problem = plan_problem(plan)
         if problem:
             raise RendezvousError(f"refusing to start workers on round {plan.round}: {problem}")
+        self.events.emit("round_closed", **round_fields(plan))
+        standby, self._standby = self._standby, None
+        if standby is not None and self._reform.place(standby, plan):
+            self.events.emit("workers_started", round=plan.round, pids=standby.pids,
+                             standby=True)
+            return standby
         for stale in self.progress_dir.glob("rank*.json"):
             stale.unlink(missing_ok=True)  # last round's progress must not look hung
         self._notice_path.unlink(missing_ok=True)
         self._reform.reset()  # fresh processes: a clean channel, capable once they report
-        self.events.emit("round_closed", **round_fields(plan))
         group = self._start_workers(plan, self._rdzv_config.node_id, self._job,
                                     self._config.workers, self._base_env,
                                     echo=self._config.verbosity >= 1, error_dir=self._error_dir)
@@ -421,15 +442,19 @@ class Agent:
         """Let rank 0 checkpoint the last step, then leave so the rest re-form.
 
         Workers without a step boundary cannot act on a notice: they are stopped at
-        once. Either way the node left as it was asked to: exit 0, unless a worker
-        failed on its own (not by our stop).
+        once. Workers that re-form in place hold no state the others lack: the node
+        leaves at once and they follow (InProcessReform.depart). Either way the node
+        left as it was asked to: exit 0, unless a worker failed on its own.
         """
-        at_once = self._drain(group, "spot notice") == drain.NO_BOUNDARY
-        if at_once:
-            self.rendezvous.leave()  # peers re-form now, not after our workers are gone
-        group.stop(self._config.workers.stop_grace_s)
-        if not at_once:
-            self.rendezvous.leave()
+        if self._reform.capable(plan, len(group.pids)):
+            self._reform.depart(group, plan, self._config.notice_deadline_s)
+        else:
+            at_once = self._drain(group, "spot notice") == drain.NO_BOUNDARY
+            if at_once:
+                self.rendezvous.leave()  # peers re-form now, not after our workers are gone
+            group.stop(self._config.workers.stop_grace_s)
+            if not at_once:
+                self.rendezvous.leave()
         stopped = (0, EXIT_FOR_RESIZE, -signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM)
         ok = all(e is not None and e.exit_code in stopped for e in group.poll())
         return 0 if ok else 128 + signal.SIGTERM
@@ -457,21 +482,3 @@ def _interval_text(state: drain.DrainView) -> str:
     if state.step_interval_s is None:
         return "no step time measured yet"
     return f"{drain.INTERVALS:g} x their median step of {state.step_interval_s:.3f} s"
-
-
-def job_env(config: AgentConfig, etcd: EtcdConfig, scratch: Path,
-            events_path: Path | None) -> contract.WorkerEnv:
-    """What every worker of this node shares; the plan fills in ranks per round."""
-    return contract.WorkerEnv(
-        run_id=config.rendezvous.run_id, max_restarts=config.max_restarts,
-        signals_to_handle=config.signals_to_handle,
-        etcd_endpoints=tuple(etcd.endpoints), etcd_prefix=config.rendezvous.prefix,
-        etcd_cacert=etcd.cacert or "", etcd_cert=etcd.cert or "", etcd_key=etcd.key or "",
-        etcd_user=etcd.user or "",
-        etcd_password_file=str(scratch / contract.PASSWORD_FILE) if etcd.password else "",
-        notice_path=str(scratch / contract.NOTICE_FILE),
-        progress_dir=str(scratch / contract.PROGRESS_DIR),
-        events_path=str(events_path) if events_path is not None else "",
-        reform_dir=str(scratch / reform.REFORM_DIR),
-        collective_timeout_s=config.rendezvous.collective_timeout_s)
-

@@ -47,6 +47,12 @@ class Rendezvous(Protocol):
         (`cause` is CauseKind.MEMBER_SUSPECTED); members that do not join it within
         a short bound are left out. A no-op when a later round is already open."""
 
+    def mark_in_place(self, round_number: int) -> None:
+        """Say that this run's workers re-form in place (once they showed it)."""
+
+    def runs_in_place(self) -> bool:
+        """Whether a node joining now should start its workers in standby first."""
+
     def report_failure(self, number: int, failure: dict) -> None: ...
 
     def publish_event(self, record: dict) -> None: ...
@@ -100,9 +106,10 @@ class Workers(Protocol):
 
 
 class StartWorkers(Protocol):
-    """Starts this node's workers of a plan (WorkerGroup.start in production)."""
+    """Starts this node's workers of a plan (WorkerGroup.start in production); with no
+    plan, standby workers that wait for their place (agent/standby.py)."""
 
-    def __call__(self, plan: Plan, node_id: str, job: WorkerEnv, config: WorkerConfig,
+    def __call__(self, plan: Plan | None, node_id: str, job: WorkerEnv, config: WorkerConfig,
                  base_env: dict[str, str], echo: bool = True,
                  error_dir: Path | None = None) -> Workers: ...
 

@@ -16,7 +16,10 @@ The sequence (`InProcessReform.run`), for round r:
 2. join the next round (`next_plan`) at once, before the pause completes: a round
    opened on suspicion leaves out members that have not joined within
    --suspect-grace (1 s), and a worker blocked in a collective with a frozen peer
-   pauses only when that collective times out (`collective_timeout_s`);
+   pauses only when that collective times out (`collective_timeout_s`). For a
+   newcomer the order is the other way round: the workers train on until the round
+   closes (the newcomer's standby workers are ready by then, standby.py), and only
+   then are asked to pause;
 3. wait until every local worker reported PAUSED for r, or exited: at most
    `pause_s`;
 4. write each worker its place in the new round (same local rank, new global rank),
@@ -126,6 +129,7 @@ class InProcessReform:
     def __init__(self, context: ReformContext):
         self._ctx = context
         self._capable_round: int | None = None
+        self._marked = False  # the run is marked as re-forming in place (once per agent)
 
     def reset(self) -> None:
         """Fresh workers start (the restart path): forget every report."""
@@ -140,9 +144,15 @@ class InProcessReform:
         states = self._ctx.channel.states()
         if workers > 0 and all(_in_round(states.get(local), plan.round, (TRAINING, PAUSED))
                                for local in range(workers)):
-            self._capable_round = plan.round
+            self._became_capable(plan.round)
             return True
         return False
+
+    def _became_capable(self, round_number: int) -> None:
+        self._capable_round = round_number
+        if not self._marked:  # newcomers then start their workers before joining
+            self._ctx.rendezvous.mark_in_place(round_number)
+            self._marked = True
 
     def trigger(self, plan: Plan, notices: list[str]) -> Cause | None:
         """A reason to re-form that the plan itself does not show yet, or None."""
@@ -185,8 +195,15 @@ class InProcessReform:
     def _reform(self, group: Workers, plan: Plan, cause: Cause) -> Plan | None:
         if cause.kind is CauseKind.MEMBER_SUSPECTED:  # open the next round now
             self._ctx.rendezvous.suspect(plan, cause)
-        self._ctx.channel.ask_pause(plan.round)
-        new = self._ctx.rendezvous.next_plan(plan, cause)
+        if cause.kind is CauseKind.NEWCOMER:
+            # Nothing is lost by training on until the round closes: a newcomer's
+            # standby workers are ready by the time it joins (standby.py), so the
+            # pause is the process group and the state transfer only.
+            new = self._ctx.rendezvous.next_plan(plan, cause)
+            self._ctx.channel.ask_pause(plan.round)
+        else:  # a member is gone or leaving: stop at the next step boundary
+            self._ctx.channel.ask_pause(plan.round)
+            new = self._ctx.rendezvous.next_plan(plan, cause)
         problem = plan_problem(new)
         if problem:
             raise RendezvousError(f"refusing to re-form workers on round {new.round}: {problem}")
@@ -196,17 +213,38 @@ class InProcessReform:
         if not ranks:
             self._leave(group, new)
             return None
+        self._take_places(group, new, "exited during the pause")
+        return new
+
+    def place(self, group: Workers, plan: Plan) -> bool:
+        """Give standby workers (standby.py) their places in `plan`; False when they
+        could not take them (then they were stopped, with one line and one event)."""
+        try:
+            self._take_places(group, plan, "exited on standby")
+        except ReformFallback as why:
+            log.warning("the standby workers could not take their places in round %d (%s); "
+                        "starting fresh workers", plan.round, why)
+            self._ctx.events.emit("standby_fallback", round=plan.round, reason=str(why))
+            group.stop(self._ctx.stop_grace_s)
+            return False
+        except BaseException:
+            group.stop(self._ctx.stop_grace_s)
+            raise
+        return True
+
+    def _take_places(self, group: Workers, new: Plan, exited: str) -> None:
+        """Assign every worker its place in `new`; wait until all trained in it."""
+        ranks = assign_ranks(new, self._ctx.node_id)
         gone = [exit.local_rank for exit in group.poll() if exit is not None]
         if gone or len(ranks) != len(group.pids):
             raise ReformFallback(
-                f"worker local rank(s) {_ranks(gone)} exited during the pause" if gone else
+                f"worker local rank(s) {_ranks(gone)} {exited}" if gone else
                 f"round {new.round} gives this node {len(ranks)} workers, it runs "
                 f"{len(group.pids)}")
         self._assign(group, new)
         self._wait(lambda: self._not_formed(group, new.round), self._ctx.bounds.form_s,
                    "re-form")
-        self._capable_round = new.round
-        return new
+        self._became_capable(new.round)
 
     def _assign(self, group: Workers, new: Plan) -> None:
         # As for a fresh start: a progress file named by an old global rank must not
@@ -220,6 +258,29 @@ class InProcessReform:
                 ranks.group_rank, ranks.group_world_size, new.master_addr, new.master_port,
                 new.restart_count))
         group.reassign(new, self._ctx.node_id)
+
+    def depart(self, group: Workers, plan: Plan, bound_s: float) -> None:
+        """This node leaves with notice; its workers could re-form in place, so the
+        others hold the same state and nothing needs saving.
+
+        Why leave the rendezvous first: the others' next round waits for every live
+        member of this one, and a worker's process takes a while to end (torch's
+        teardown). Our workers still stop at the boundary the job agrees on (the
+        notice marker), or, if the others' pause request is agreed first, take the
+        leave assignment written here; they are stopped past `bound_s`."""
+        started = time.monotonic()
+        self._ctx.notice_path.touch()
+        for local in range(len(group.pids)):
+            self._ctx.channel.assign(local, Assignment(plan.round + 1, leave=True))
+        self._ctx.rendezvous.leave()
+        left = group.wait(bound_s)
+        if not left:
+            group.stop(self._ctx.stop_grace_s)
+        waited = time.monotonic() - started
+        log.info("left the run with notice; the workers %s", f"followed in {waited:.2f} s"
+                 if left else f"did not stop within {bound_s:g} s and were stopped")
+        self._ctx.events.emit("reform_left", round=plan.round + 1, inprocess=True,
+                              stopped=not left, notice=True, waited_s=round(waited, 3))
 
     def _leave(self, group: Workers, new: Plan) -> None:
         """This node is not in `new`: its paused workers finish and exit."""

@@ -20,8 +20,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from elastic_runner._process import die_with_parent
-from elastic_runner.config import WorkerConfig
-from elastic_runner.contract import AGENT_ONLY_VARIABLES, EXIT_FOR_RESIZE, WorkerEnv, error_file
+from elastic_runner.config import AgentConfig, EtcdConfig, WorkerConfig
+from elastic_runner.contract import (
+    AGENT_ONLY_VARIABLES, EXIT_FOR_RESIZE, NOTICE_FILE, PASSWORD_FILE, PLACEMENT_FIELDS,
+    PROGRESS_DIR, WorkerEnv, error_file, variable,
+)
+from elastic_runner.reform import REFORM_DIR, STANDBY_ROUND
 from elastic_runner.rendezvous.protocol import Plan, RankAssignment, assign_ranks
 
 STDERR_TAIL_LINES = 20
@@ -35,8 +39,6 @@ def worker_env(base: dict[str, str], plan: Plan, ranks: RankAssignment, job: Wor
     `job` carries what every worker of the node shares (run id, etcd, scratch paths);
     the plan and `ranks` fill in the rest.
     """
-    env = {k: v for k, v in base.items() if k not in AGENT_ONLY_VARIABLES}
-    env.update(config.extra_env)
     this = replace(
         job, rank=ranks.rank, local_rank=ranks.local_rank, world_size=ranks.world_size,
         local_world_size=ranks.local_world_size, group_rank=ranks.group_rank,
@@ -44,13 +46,34 @@ def worker_env(base: dict[str, str], plan: Plan, ranks: RankAssignment, job: Wor
         role_world_size=ranks.world_size, master_addr=plan.master_addr,
         master_port=plan.master_port, restart_count=plan.restart_count, round=plan.round,
         error_file=str(error_file(error_dir, ranks.rank)) if error_dir else "")
+    return _process_env(base, this, config)
+
+
+def standby_env(base: dict[str, str], local_rank: int, job: WorkerEnv, config: WorkerConfig,
+                error_path: Path | None = None) -> dict[str, str]:
+    """A standby worker's environment (agent/standby.py): everything but a place.
+
+    No RANK, WORLD_SIZE or MASTER_*: the script runs up to its training function
+    without a process group, and its place comes through the re-formation channel."""
+    this = replace(job, local_rank=local_rank, local_world_size=config.nproc,
+                   round=STANDBY_ROUND, standby=True,
+                   error_file=str(error_path) if error_path else "")
+    env = _process_env(base, this, config)
+    for name in PLACEMENT_FIELDS:
+        env.pop(variable(name), None)
+    return env
+
+
+def _process_env(base: dict[str, str], this: WorkerEnv, config: WorkerConfig) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if k not in AGENT_ONLY_VARIABLES}
+    env.update(config.extra_env)
     env.update(this.to_env())
     env["PYTHONUNBUFFERED"] = "1"
     # As torchrun (LocalElasticAgent._start_workers): with it, an NCCL collective that
     # can no longer complete (a peer died) makes the worker fail instead of hanging
     # forever, so its agent sees an exit and the job re-forms. An explicit value wins.
     env[NCCL_ASYNC_ERROR_HANDLING] = base.get(NCCL_ASYNC_ERROR_HANDLING, "1")
-    if ranks.local_world_size > 1 and "OMP_NUM_THREADS" not in base:
+    if this.local_world_size > 1 and "OMP_NUM_THREADS" not in base:
         # Several workers on one node each spawning a thread per core oversubscribe
         # it (measured: 4.6x slower steps with 2 workers on 2 cores); torchrun
         # makes the same choice. An explicit OMP_NUM_THREADS wins.
@@ -58,7 +81,7 @@ def worker_env(base: dict[str, str], plan: Plan, ranks: RankAssignment, job: Wor
     if config.gpu_count > 0:
         visible = base.get("CUDA_VISIBLE_DEVICES")
         devices = visible.split(",") if visible else [str(i) for i in range(config.gpu_count)]
-        env["CUDA_VISIBLE_DEVICES"] = devices[ranks.local_rank % len(devices)]
+        env["CUDA_VISIBLE_DEVICES"] = devices[this.local_rank % len(devices)]
     return env
 
 
@@ -150,9 +173,15 @@ class _Worker:
             if log_file:
                 log_file.write(line + "\n")
             if echo:  # the rank of now: an in-process re-formation changes it
-                sink.write(f"[rank{self.ranks.rank}]: {line}\n")
+                sink.write(f"[{self.name}]: {line}\n")
                 sink.flush()
         source.close()
+
+    @property
+    def name(self) -> str:
+        """How its output is prefixed: its rank, or its local rank while on standby."""
+        rank = self.ranks.rank
+        return f"rank{rank}" if rank >= 0 else f"standby{self.ranks.local_rank}"
 
     def poll(self) -> WorkerExit | None:
         if self.exit is None and self.process.poll() is not None:
@@ -175,22 +204,30 @@ class WorkerGroup:
         self._workers = workers
 
     @staticmethod
-    def start(plan: Plan, node_id: str, job: WorkerEnv, config: WorkerConfig,
+    def start(plan: Plan | None, node_id: str, job: WorkerEnv, config: WorkerConfig,
               base_env: dict[str, str], echo: bool = True,
               error_dir: Path | None = None) -> "WorkerGroup":
-        """Start this node's workers of `plan`; `error_dir` gets torch's error files."""
+        """Start this node's workers of `plan`; `error_dir` gets torch's error files.
+        No plan: `config.nproc` standby workers, named by local rank until placed."""
         workers = []
-        for ranks in assign_ranks(plan, node_id):
+        placements = (assign_ranks(plan, node_id) if plan is not None else
+                      [RankAssignment(-1, local, 0, config.nproc, -1, 0)
+                       for local in range(config.nproc)])
+        for ranks in placements:
+            name = f"rank{ranks.rank}" if plan is not None else f"standby{ranks.local_rank}"
             log_path = None
             if config.log_dir:
-                folder = config.log_dir / job.run_id / f"round{plan.round}"
+                folder = config.log_dir / job.run_id / (
+                    f"round{plan.round}" if plan is not None else "standby")
                 folder.mkdir(parents=True, exist_ok=True)
-                log_path = folder / f"rank{ranks.rank}.log"
-            error_path = error_file(error_dir, ranks.rank) if error_dir else None
+                log_path = folder / f"{name}.log"
+            error_path = error_dir / f"{name}.json" if error_dir else None
             if error_path is not None:
                 error_path.unlink(missing_ok=True)  # an earlier round's error is not this one's
+            env = (worker_env(base_env, plan, ranks, job, config, error_dir) if plan is not None
+                   else standby_env(base_env, ranks.local_rank, job, config, error_path))
             process = subprocess.Popen(
-                list(config.argv), env=worker_env(base_env, plan, ranks, job, config, error_dir),
+                list(config.argv), env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=die_with_parent,
             )
@@ -272,3 +309,21 @@ class WorkerGroup:
         if not self.wait(grace_s):
             self.signal_all(signal.SIGKILL)
             self.wait(10.0)
+
+
+def job_env(config: AgentConfig, etcd: EtcdConfig, scratch: Path,
+            events_path: Path | None) -> WorkerEnv:
+    """What every worker of this node shares; the plan fills in ranks per round."""
+    return WorkerEnv(
+        run_id=config.rendezvous.run_id, max_restarts=config.max_restarts,
+        signals_to_handle=config.signals_to_handle,
+        etcd_endpoints=tuple(etcd.endpoints), etcd_prefix=config.rendezvous.prefix,
+        etcd_cacert=etcd.cacert or "", etcd_cert=etcd.cert or "", etcd_key=etcd.key or "",
+        etcd_user=etcd.user or "",
+        etcd_password_file=str(scratch / PASSWORD_FILE) if etcd.password else "",
+        notice_path=str(scratch / NOTICE_FILE),
+        progress_dir=str(scratch / PROGRESS_DIR),
+        events_path=str(events_path) if events_path is not None else "",
+        reform_dir=str(scratch / REFORM_DIR),
+        collective_timeout_s=config.rendezvous.collective_timeout_s)
+

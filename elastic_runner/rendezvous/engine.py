@@ -237,6 +237,22 @@ class EtcdRendezvous:
         record = json.dumps({"round": round_number}).encode()
         self._client.put(p.notice_key(self.prefix, self.node_id), record, lease=self.lease.id)
 
+    def mark_in_place(self, round_number: int) -> None:
+        """This node's workers re-form in place (they reported so in `round_number`).
+        Written once per run: the script is the same on every node (the spec)."""
+        key = p.inplace_key(self.prefix)
+        if self.mirror.get(key) is None:
+            self._client.create_if_absent(key, json.dumps(
+                {"round": round_number, "node": self.node_id}).encode())
+
+    def runs_in_place(self) -> bool:
+        """Whether a node joining now should start its workers before announcing itself:
+        the run's workers re-form in place and it has not finished. Asked before
+        register(), so read from etcd, not the mirror."""
+        round_kv = self._client.get(p.round_key(self.prefix))
+        return (round_kv is not None and self._client.get(p.inplace_key(self.prefix)) is not None
+                and p.RoundState.from_json(round_kv.value).state != p.FINISHED)
+
     def notices(self, plan: p.Plan) -> list[str]:
         """Members of `plan` that announced their departure during its round."""
         found = []

@@ -145,6 +145,12 @@ def checkpoint_key(prefix: str) -> str:
     return f"{prefix}checkpoint/latest"
 
 
+def inplace_key(prefix: str) -> str:
+    """Present once some worker of the run re-formed in place (its script can): a node
+    that joins later starts its workers before announcing itself (agent/standby.py)."""
+    return f"{prefix}inplace"
+
+
 def store_prefix(prefix: str, number: int) -> str:
     """Where torch's control-plane store of a round lives (torchrun plug-in)."""
     return f"{prefix}rounds/{number}/store/"

@@ -17,8 +17,11 @@ backend name, so this module is importable and testable on a CPU-only torch).
 from __future__ import annotations
 
 import logging
+import os
 
-__all__ = ["leave_process_group"]
+__all__ = ["leave_process_group", "survive_nccl_errors"]
+
+_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 # What a group on its way out may raise: RuntimeError (and torch's DistError family)
 # from the backend; ValueError / AssertionError from torch's bookkeeping when the
@@ -65,3 +68,19 @@ def _abort(dist, logger: logging.Logger) -> None:
         dist.distributed_c10d._abort_process_group()
     except _LEAVE_ERRORS as error:
         logger.debug("aborting the process group's communicators: %s", error)
+
+
+def survive_nccl_errors() -> None:
+    """NCCL errors abort the communicators but leave the process alive, so an
+    `er.elastic` worker can re-form in place after a peer is lost.
+
+    The launcher gives workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (TearDown, as
+    torchrun does): the watchdog kills the process on a failed or timed-out
+    collective. CleanUpOnly (2, ErrorHandlingMode in torch's ProcessGroupNCCL.hpp)
+    aborts the communicators and raises in the training thread instead: er.elastic
+    re-forms, and a script without it fails with the error, which its agent sees as
+    an exit just the same. Read when a ProcessGroupNCCL is built, so set before
+    init_process_group. Another value the user chose (0, 3) is kept. The worker
+    process's own environment, which the runtime owns."""
+    if os.environ.get(_NCCL_ERROR_HANDLING, "1") == "1":
+        os.environ[_NCCL_ERROR_HANDLING] = "2"

@@ -23,6 +23,10 @@ The worker's half of the channel in reform.py, one round at a time:
    checkpoint (the ranks that stay hold the state). Otherwise it takes its new place
    (environment, Context, process group) and goes back to 1.
 
+A worker started on standby (its node had not joined yet, agent/standby.py) has no
+process group when it gets here: it reports STANDBY, waits for its first assignment
+as in 3., and goes to 1. with the model already built.
+
 Anything that stops a worker from re-forming is reported FAILED (the agent then
 takes the restart path for the round). Outside elastic-run (no ELASTIC_RUN_REFORM_DIR:
 a plain `python` run, or torchrun), `fn(state)` is simply called once. A script
@@ -43,9 +47,11 @@ from typing import Any, Callable
 from elastic_runner.contract import EXIT_FOR_RESIZE, WorkerEnv, variable
 from elastic_runner.errors import StaleWriterError
 from elastic_runner.reform import (
-    ASKED, COLLECTIVE_ERROR, FAILED, PAUSED, TRAINING, Assignment, ReformChannel, WorkerState,
+    ASKED, COLLECTIVE_ERROR, FAILED, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, Assignment,
+    ReformChannel, WorkerState,
 )
 from elastic_runner.worker import runtime
+from elastic_runner.worker.abort import leave_process_group
 from elastic_runner.worker.state import ShardedStateError, State
 from elastic_runner.worker.step_boundary import ReformRequested
 
@@ -112,16 +118,30 @@ def _run(state: State, call: Callable[[], Any]) -> Any:
     job = WorkerEnv.from_env(os.environ)
     if not job.reform_dir:
         return call()  # outside elastic-run: nobody to re-form with
+    channel = ReformChannel(Path(job.reform_dir))
     if context is None:
-        log.warning("er.elastic: er.init() was not called, so this worker cannot re-form "
-                    "in place; it keeps the restart path")
+        _keep_restart_path(channel, job, "er.init() was not called, so this worker cannot "
+                                         "re-form in place")
         return call()
     try:
         state.check_replicated()
     except ShardedStateError as error:
-        log.warning("%s", error)
+        _keep_restart_path(channel, job, str(error))
         return call()  # never reports: the agent keeps the restart path
-    return Reformer(state, context, ReformChannel(Path(job.reform_dir)), job).run(call)
+    return Reformer(state, context, channel, job).run(call)
+
+
+def _keep_restart_path(channel: ReformChannel, job: WorkerEnv, why: str) -> None:
+    """Say why this worker cannot re-form in place. A standby worker has no place
+    to train in without it: it reports FAILED and exits (its agent then starts a
+    fresh worker once its round closes)."""
+    if not job.standby:
+        log.warning("er.elastic: %s; this worker keeps the restart path", why)
+        return
+    log.error("standby worker cannot wait for its place: %s", why)
+    channel.report(job.local_rank, WorkerState(round=STANDBY_ROUND, phase=FAILED, step=-1,
+                                               pid=os.getpid(), reason=why[:_REASON_CHARS]))
+    raise SystemExit(EXIT_FOR_RESIZE)
 
 
 class Reformer:
@@ -135,6 +155,8 @@ class Reformer:
         self._failed_at: tuple[int, int] = (-2, 0)  # (step, consecutive failures there)
 
     def run(self, call: Callable[[], Any]) -> Any:
+        if self.context.round == STANDBY_ROUND:
+            self._take_first_place()
         self._attach()
         self._report(TRAINING)
         while True:
@@ -190,17 +212,11 @@ class Reformer:
             raise
 
     def _leave_group(self) -> None:
-        import torch.distributed as dist
-
         self.context.boundary.abandon()
         # The last call's objects (a DDP and its autograd hooks on the parameters)
         # must go before the next call builds their successors.
         gc.collect()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except RuntimeError as error:  # a broken group may fail on the way out
-                log.debug("leaving the broken process group: %s", error)
+        leave_process_group(log)  # NCCL: abort the communicators, never wait on a dead peer
 
     def _await_assignment(self) -> Assignment:
         deadline = time.monotonic() + self.assignment_timeout_s
@@ -212,6 +228,16 @@ class Reformer:
                 self._fail(f"no assignment for a round after {self.context.round} within "
                            f"{self.assignment_timeout_s:g} s")
             time.sleep(POLL_S)
+
+    def _take_first_place(self) -> None:
+        """A standby worker: the script is ready up to here; wait for a place."""
+        log.info("standby: local rank %d is ready and waits for its place",
+                 self.context.local_rank)
+        self._report(STANDBY)
+        assignment = self._await_assignment()
+        if assignment.leave:  # the node gave up joining before it got a place
+            raise SystemExit(EXIT_FOR_RESIZE)
+        self._join(assignment)
 
     def _leave_job(self, assignment: Assignment) -> None:
         """This node is not in the new round: finish (pending saves) and exit."""

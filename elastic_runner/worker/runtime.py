@@ -46,6 +46,8 @@ from elastic_runner.worker.checkpoint.background import BackgroundWriter
 from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
 from elastic_runner.contract import CHECKPOINT_RECORD, EXIT_FOR_RESIZE, ProgressWriter, WorkerEnv
 from elastic_runner.files import write_atomic
+from elastic_runner.reform import STANDBY_ROUND
+from elastic_runner.worker.abort import survive_nccl_errors
 from elastic_runner.worker.step_boundary import ReformRequested, StepBoundary
 
 log = logging.getLogger("elastic_runner.worker.runtime")
@@ -161,16 +163,24 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
         torch.cuda.set_device(index)
         device = f"cuda:{index}"
     context = context_from_env(environ, backend, device)
+    job = WorkerEnv.from_env(environ)
     if timeout_s is None:
-        timeout_s = group_timeout_s(WorkerEnv.from_env(environ))
+        timeout_s = group_timeout_s(job)
+    if "nccl" in backend and job.reform_dir:
+        survive_nccl_errors()
     if dist.is_initialized():
         _warn_on_hand_typed_ranks(dist.get_rank(), dist.get_world_size(), context)
     elif context.world_size > 1 or "MASTER_ADDR" in environ:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     _active[:] = [context]
     _report_our_errors_in_one_line()
-    log.info("rank %d/%d (local %d) on %s, round %d, restarts %d", context.rank,
-             context.world_size, context.local_rank, device, context.round, context.restart_count)
+    if context.round == STANDBY_ROUND:
+        log.info("local rank %d on %s: standby, no place in the run yet (er.elastic waits "
+                 "for one)", context.local_rank, device)
+    else:
+        log.info("rank %d/%d (local %d) on %s, round %d, restarts %d", context.rank,
+                 context.world_size, context.local_rank, device, context.round,
+                 context.restart_count)
     return context
 
 
@@ -311,6 +321,8 @@ class Checkpointer(_checkpoint.Checkpointer):
     def __init__(self, url_or_path, keep: int | None = 3, every: int | None = None,
                  async_save: bool = False, rank: int | None = None, latest_store=None, **kwargs):
         context = current()
+        if rank is None and context is not None and context.round == STANDBY_ROUND:
+            rank = -1  # standby (reform.py): only a reader until rebind() gives it a place
         # The record we open ourselves is fenced by the round: rebind() reopens it.
         self._own_store = latest_store is None and context is not None and bool(
             context.etcd_endpoints)

@@ -119,9 +119,10 @@ class ElasticSampler:
         self._policy = _resolve_policy(policy, global_batch_size)
         # Built in a process group without a rank or world size given, the sampler
         # follows that group, which an in-process re-formation (er.elastic) replaces:
-        # see _follow_world. Built outside any group, it keeps the world it was given.
-        self._follows_group = (rank is None or world_size is None) and \
-            _torch_rank_world(alone=(None, None))[0] is not None
+        # see _follow_world. So does one built by a worker on standby, whose group
+        # comes later (reform.py). Built outside any group, it keeps the world it was given.
+        self._follows_group = (rank is None or world_size is None) and (
+            _torch_rank_world(alone=(None, None))[0] is not None or _on_standby())
         self._given = (rank, world_size)
         rank, world_size = _resolve_world(rank, world_size)
         self._plan = plan_batch(self._policy, world_size, rank)
@@ -320,6 +321,15 @@ def _resolve_world(rank: int | None, world_size: int | None,
         rank = dist_rank if rank is None else rank
         world_size = dist_world if world_size is None else world_size
     return rank, world_size
+
+
+def _on_standby() -> bool:
+    """This worker has no place yet: er.elastic gives it one, and a group with it."""
+    from elastic_runner.reform import STANDBY_ROUND
+    from elastic_runner.worker import runtime
+
+    context = runtime.current()
+    return context is not None and context.round == STANDBY_ROUND
 
 
 def _torch_rank_world(alone: tuple[int, int] | tuple[None, None] = (0, 1)):

@@ -124,10 +124,14 @@ def test_leave_join_and_sigkill_of_the_rank0_host_in_one_run(inproc):
     inproc.terminate("c")
     left = wait_world(inproc, 2, after_round=first)
     assert inproc.wait_exit("c", timeout=60) == 0
+    assert "left the run with notice; the workers followed" in inproc.agent_log("c")
     redone_after_leave = check_consistency_and_redone(rows(inproc))
     inproc.start("d")
     joined = wait_world(inproc, 3, after_round=left, new_pid=True)
     redone_after_join = check_consistency_and_redone(rows(inproc))
+    # d's worker was started on standby, before d joined: its process trains in the round.
+    assert "standby workers ready" in inproc.agent_log("d")
+    assert "starting fresh workers" not in inproc.agent_log("d")
     host = next(r for r in rows(inproc) if r["round"] == joined and r["rank"] == 0)["pid"]
     node = next(n for n in ("a", "b", "d") if inproc.agents[n].pid == _parent(host))
     inproc.kill(node)

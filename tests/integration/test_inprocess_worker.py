@@ -22,9 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.contract import EXIT_FOR_RESIZE, WorkerEnv
+from elastic_runner.contract import EXIT_FOR_RESIZE, PLACEMENT_FIELDS, WorkerEnv, variable
 from elastic_runner.etcd.server import free_port
-from elastic_runner.reform import ASKED, COLLECTIVE_ERROR, PAUSED, TRAINING, Assignment, ReformChannel
+from elastic_runner.reform import (
+    ASKED, COLLECTIVE_ERROR, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, Assignment, ReformChannel,
+)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "inproc_worker.py"
 SAMPLES, BATCH = 360, 12  # 30 steps; 12 splits evenly over 1, 2, 3 and 4 ranks
@@ -44,13 +46,26 @@ class Node:
 
     def start(self, cluster: "Cluster", rank: int, world: int, port: int, round_number: int,
               *extra: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTIC_RUN_", "TORCHELASTIC_"))}
-        env.update(WorkerEnv(
+        self._spawn(cluster, WorkerEnv(
             rank=rank, local_rank=0, world_size=world, local_world_size=1, group_rank=rank,
             group_world_size=world, role_rank=rank, role_world_size=world,
             master_addr="127.0.0.1", master_port=port, round=round_number,
             notice_path=str(self.dir / "notice"), progress_dir=str(self.dir / "progress"),
-            reform_dir=str(self.channel.directory), collective_timeout_s=30).to_env())
+            reform_dir=str(self.channel.directory), collective_timeout_s=30).to_env(), extra)
+
+    def start_standby(self, cluster: "Cluster", *extra: str) -> None:
+        """As agent/standby.py starts a joining node's worker: no place, no group."""
+        env = WorkerEnv(local_rank=0, local_world_size=1, round=STANDBY_ROUND, standby=True,
+                        notice_path=str(self.dir / "notice"),
+                        progress_dir=str(self.dir / "progress"),
+                        reform_dir=str(self.channel.directory), collective_timeout_s=30).to_env()
+        for name in PLACEMENT_FIELDS:
+            env.pop(variable(name))
+        self._spawn(cluster, env, extra)
+
+    def _spawn(self, cluster: "Cluster", job_env: dict[str, str], extra: tuple[str, ...]) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTIC_RUN_", "TORCHELASTIC_"))}
+        env.update(job_env)
         (self.dir / "progress").mkdir(exist_ok=True)
         self.log = open(self.dir / "worker.log", "ab")
         self.proc = subprocess.Popen(
@@ -282,3 +297,43 @@ def test_a_node_with_notice_leaves_without_a_checkpoint_and_the_others_pause(
     assign(second, 1, 1, 2, port)
     assert cluster.exit_codes(cluster.nodes) == [0, 0, EXIT_FOR_RESIZE]
     assert_consistent(cluster, {0: 3, 1: 2})
+
+
+def test_a_standby_newcomer_is_ready_before_the_pause_and_joins_with_its_model_built(
+        cluster_of, tmp_path):
+    """A joining node's worker started on standby (agent/standby.py): it runs the script
+    up to train() with no process group, restores the checkpoint as a reader only, and
+    says STANDBY; only then do the others pause. Its assignment puts it in the group,
+    where it receives the newest state."""
+    cluster = cluster_of(4)
+    first, second, newcomer, quitter = cluster.nodes
+    ckpt = ("--ckpt", str(tmp_path / "ckpt"), "--every", "4")
+    port = free_port()
+    for rank, node in enumerate((first, second)):
+        node.start(cluster, rank, 2, port, 0, "--hold-at", str(HOLD), *ckpt)
+    cluster.wait_held([first, second])  # HOLD is a multiple of 4: its checkpoint exists
+    for node in (newcomer, quitter):
+        node.start_standby(cluster, *ckpt)
+    ready = cluster.wait_phase([newcomer, quitter], STANDBY_ROUND, STANDBY)
+    assert [s.step for s in ready] == [HOLD, HOLD]  # restored: the checkpoint of step HOLD
+    assert not any(row["pid"] == newcomer.proc.pid for row in cluster.rows("sync"))
+    quitter.channel.assign(0, Assignment(1, leave=True))  # its node gave up joining
+    for node in (first, second):
+        node.channel.ask_pause(0)
+    cluster.go.touch()
+    paused = cluster.wait_phase([first, second], 0, PAUSED, expect_exits=(quitter,))
+    assert [s.step for s in paused] == [HOLD + 1, HOLD + 1]
+    port = free_port()
+    assign(first, 1, 0, 3, port)
+    assign(second, 1, 1, 3, port)
+    assign(newcomer, 1, 2, 3, port)
+    assert cluster.exit_codes(cluster.nodes) == [0, 0, 0, EXIT_FOR_RESIZE]
+    assert_consistent(cluster, {0: 2, 1: 3})
+    syncs = {r["rank"]: r for r in cluster.rows("sync") if r["round"] == 1}
+    assert syncs[2]["pid"] == newcomer.proc.pid and syncs[2]["received"] > 0
+    assert {r["step"] for r in syncs.values()} == {HOLD + 1}
+    assert not any(row["pid"] == quitter.proc.pid for row in cluster.rows("step"))
+    # Rank 0 alone wrote checkpoints: the standby readers wrote nothing (no probe).
+    assert sorted(path.name for path in (tmp_path / "ckpt").iterdir()
+                  if not path.name.startswith("step-")) == []
+

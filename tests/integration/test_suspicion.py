@@ -181,3 +181,30 @@ def test_suspect_records_only_a_suspicion(agents):
     with pytest.raises(ValueError):
         a.rdzv.suspect(start, p.Cause(p.CauseKind.NEWCOMER))
     assert a.rdzv.current_round().state.number == 0
+
+
+def test_a_run_is_marked_as_re_forming_in_place_once_and_only_while_it_runs(agents, etcd):
+    """What a joining node reads before it registers (agent/standby.py)."""
+    a, b = agents("marked", "a", "b")
+    start = held_by_all([a, b], 0)
+    newcomer = Agent(etcd.endpoint, "marked", "c")
+    try:
+        assert newcomer.rdzv.runs_in_place() is False  # nobody re-formed in place yet
+        a.rdzv.mark_in_place(start.round)
+        marked = newcomer.client.get(p.inplace_key(newcomer.rdzv.prefix))
+        assert marked is not None
+        a.rdzv.mirror.wait_revision(marked.mod_revision, timeout_s=10)
+        a.rdzv.mark_in_place(start.round)  # seen in its copy: no second write
+        b.rdzv.mark_in_place(start.round)  # a race lost to a: create-if-absent
+        again = newcomer.client.get(p.inplace_key(newcomer.rdzv.prefix))
+        assert again.mod_revision == marked.mod_revision
+        assert newcomer.rdzv.runs_in_place() is True
+        a.rdzv.finish(start)
+        assert newcomer.rdzv.runs_in_place() is False  # finished: nothing to join
+        other = Agent(etcd.endpoint, "another-run", "c")
+        try:
+            assert other.rdzv.runs_in_place() is False  # one run's mark is not another's
+        finally:
+            other.client.close()
+    finally:
+        newcomer.client.close()

@@ -169,3 +169,19 @@ def test_an_unreadable_backend_name_falls_back_to_destroy(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", unreadable)
     leave_process_group(LOG)
     assert group.calls == ["destroy"]
+
+
+@pytest.mark.parametrize("given, kept", [(None, "2"), ("1", "2"), ("0", "0"), ("3", "3")])
+def test_nccl_errors_leave_the_process_alive_unless_the_user_chose_otherwise(
+        monkeypatch, given, kept):
+    """The launcher's TearDown (1, or torch's default when unset) becomes CleanUpOnly
+    (2): the communicators are aborted and the worker lives on to re-form."""
+    from elastic_runner.worker.abort import survive_nccl_errors
+
+    if given is None:
+        monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", given)
+    survive_nccl_errors()
+    import os
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == kept

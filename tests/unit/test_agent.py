@@ -120,6 +120,12 @@ class FakeRendezvous:
     def seconds_since_etcd_answered(self) -> float:
         return self.silent_s
 
+    def mark_in_place(self, round_number: int) -> None:
+        self.journal.append(f"in place {round_number}")
+
+    def runs_in_place(self) -> bool:
+        return False  # these workers never re-form in place: no standby start
+
     def kinds(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["kind"] == kind]
 

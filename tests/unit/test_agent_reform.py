@@ -24,11 +24,15 @@ from elastic_runner.agent.agent import Agent
 from elastic_runner.agent.workers import WorkerExit
 from tests.helpers.fake_workers import ExitQueries
 from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, WorkerConfig
+from elastic_runner.contract import EXIT_FOR_RESIZE
 from elastic_runner.errors import exit_code_for
 from elastic_runner.reform import (
-    COLLECTIVE_ERROR, FAILED, PAUSED, TRAINING, Assignment, ReformChannel, WorkerState,
+    COLLECTIVE_ERROR, FAILED, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, Assignment,
+    ReformChannel, WorkerState,
 )
-from elastic_runner.rendezvous.protocol import Cause, CauseKind, Member, Plan, assign_ranks
+from elastic_runner.rendezvous.protocol import (
+    Cause, CauseKind, Member, Plan, RankAssignment, assign_ranks,
+)
 
 NODE = "a"
 TEST_DEADLINE_S = 30.0  # a run that takes longer is stuck: fail instead of hanging
@@ -54,14 +58,17 @@ class Behaviour:
     never_pauses: tuple[int, ...] = ()  # local ranks that ignore ask_pause
     collective_error: tuple[int, ...] = ()  # local ranks that pause on their own in round 0
     fail_on_assignment: bool = False  # report FAILED (and exit 1) instead of re-forming
+    standby_exit: int | None = None  # a standby worker exits with this before it is ready
+    exit_on_notice: bool = False  # a notice marker makes it exit 75 (its node leaves)
 
 
 class FakeWorker(threading.Thread):
     """One worker process, as a thread that talks to the agent through the channel."""
 
     def __init__(self, channel: ReformChannel, round_number: int, local_rank: int,
-                 behaviour: Behaviour, notice: Path, pid: int):
+                 behaviour: Behaviour, notice: Path, pid: int, journal: list[str]):
         super().__init__(daemon=True)
+        self.journal = journal
         self.channel, self.round, self.local = channel, round_number, local_rank
         self.behaviour, self.notice, self.pid = behaviour, notice, pid
         self.code: int | None = None
@@ -81,6 +88,11 @@ class FakeWorker(threading.Thread):
 
     def _live(self) -> int:
         b = self.behaviour
+        if self.round == STANDBY_ROUND:
+            if b.standby_exit is not None:
+                return b.standby_exit
+            self.report(STANDBY)
+            return self._re_form()
         if not b.reports:
             return 0 if self.round >= b.finish_round else self._until_stopped()
         self.report(TRAINING)
@@ -89,8 +101,13 @@ class FakeWorker(threading.Thread):
         if self.round == 0 and self.local in b.collective_error:
             self.report(PAUSED, f"{COLLECTIVE_ERROR}: connection reset by peer")
         elif not self._wait(lambda: self.local not in b.never_pauses
-                            and self.channel.pause_asked(self.round)):
+                            and self.channel.pause_asked(self.round)
+                            or b.exit_on_notice and self.notice.exists()):
             return -signal.SIGTERM
+        elif b.exit_on_notice and self.notice.exists():
+            time.sleep(0.05)  # a worker's teardown takes a while
+            self.journal.append(f"worker {self.local} exits")
+            return EXIT_FOR_RESIZE
         else:
             self.report(PAUSED, "asked")
         return self._re_form()
@@ -134,14 +151,16 @@ class FakeGroup(ExitQueries):
 
     pids_from = itertools.count(1000, 10)
 
-    def __init__(self, plan: Plan, job, behaviour: Behaviour, journal: list[str]):
-        self.ranks = assign_ranks(plan, NODE)
-        self.round = plan.round
+    def __init__(self, plan: Plan | None, job, behaviour: Behaviour, journal: list[str],
+                 nproc: int):
+        self.ranks = (assign_ranks(plan, NODE) if plan is not None else
+                      [RankAssignment(-1, local, 0, nproc, -1, 0) for local in range(nproc)])
+        self.round = plan.round if plan is not None else STANDBY_ROUND
         self.journal = journal
         channel = ReformChannel(Path(job.reform_dir))
         base = next(self.pids_from)
-        self.workers = [FakeWorker(channel, plan.round, r.local_rank, behaviour,
-                                   Path(job.notice_path), base + r.local_rank)
+        self.workers = [FakeWorker(channel, self.round, r.local_rank, behaviour,
+                                   Path(job.notice_path), base + r.local_rank, journal)
                         for r in self.ranks]
         for worker in self.workers:
             worker.start()
@@ -198,6 +217,9 @@ class ScriptedRendezvous:
         self.leaving_when = lambda: True
         self._woken = threading.Event()
         self._deadline = time.monotonic() + TEST_DEADLINE_S
+        self.marked: list[int] = []  # rounds in which mark_in_place was called
+        self.on_next_plan = lambda number: None  # just before round `number` is issued
+        self.in_place = False  # what runs_in_place answers
 
     def next_plan(self, previous: Plan | None, cause: Cause) -> Plan:
         last = self.issued[-1] if self.issued else None
@@ -208,6 +230,7 @@ class ScriptedRendezvous:
         if number >= len(self.script):
             raise AssertionError(f"round {number} is not in the script")
         self.causes.append(cause)
+        self.on_next_plan(number)
         plan = Plan(number, self.script[number], "127.0.0.1", 29500 + number,
                     cause=cause.text())
         self.issued.append(plan)
@@ -238,7 +261,7 @@ class ScriptedRendezvous:
         return [e for e in self.events if e["kind"] == kind]
 
     # the rest of the port: nothing to script
-    def register(self) -> None: ...
+    def register(self) -> None: self.journal.append("register")
     def leave(self) -> None: self.journal.append("leave")
     def ping(self) -> None: ...
     def current_round(self): return None
@@ -249,6 +272,10 @@ class ScriptedRendezvous:
     def wake(self) -> None: self._woken.set()
     def interrupt(self) -> None: ...
     def seconds_since_etcd_answered(self) -> float: return 0.0
+
+    # in-place capability, as the engine keeps it in etcd
+    def mark_in_place(self, round_number: int) -> None: self.marked.append(round_number)
+    def runs_in_place(self) -> bool: return self.in_place
 
 
 class Node:
@@ -270,7 +297,8 @@ class Node:
 
     def _start(self, plan, node_id, job, config, base_env, echo=True, error_dir=None):
         self.job = job
-        self.groups.append(FakeGroup(plan, job, self.behaviour, self.journal))
+        self.journal.append(f"start round {plan.round}" if plan else "start standby")
+        self.groups.append(FakeGroup(plan, job, self.behaviour, self.journal, config.nproc))
         return self.groups[-1]
 
     def channel_shows(self, phase: str, round_number: int) -> bool:
@@ -456,3 +484,92 @@ def test_the_pause_bound_outlasts_a_collective_timeout():
         bounds = reform_driver.ReformBounds.from_config(config)
         assert bounds.pause_s >= drain
         assert bounds.pause_s > rdzv.collective_timeout_s
+
+
+# ---- a joining node: workers on standby before it announces itself -----------------
+JOIN_X = [members(("x", 2), (NODE, 2))]
+
+
+def test_a_joining_node_readies_its_workers_before_registering_and_places_them(tmp_path):
+    node = Node(tmp_path, JOIN_X, Behaviour(finish_round=0))
+    node.rendezvous.in_place = True
+    assert node.run() == 0
+    assert node.journal[:3] == ["start standby", "register", "round 0"]
+    assert len(node.groups) == 1  # the standby processes are the round's workers
+    states = [w.assignments for w in node.groups[0].workers]
+    assert [(a.round, a.rank, a.world_size, a.local_world_size, a.master_port)
+            for got in states for a in got] == [(0, 2, 4, 2, 29500), (0, 3, 4, 2, 29500)]
+    assert [r.rank for r in node.groups[0].ranks] == [2, 3]
+    assert len(node.kinds("standby_ready")) == 1 and not node.kinds("standby_fallback")
+    assert [e.get("standby") for e in node.kinds("workers_started")] == [True]
+    assert node.rendezvous.marked == [0]  # capable once placed: it says so in turn
+
+
+@pytest.mark.parametrize("behaviour, why", [
+    (Behaviour(finish_round=0, standby_exit=3), "local rank 0 exited with code 3"),
+    (Behaviour(finish_round=0, fail_on_assignment=True), "could not re-form"),
+], ids=["exits-on-standby", "fails-to-take-its-place"])
+def test_standby_workers_that_fail_are_replaced_by_fresh_ones(tmp_path, behaviour, why):
+    node = Node(tmp_path, JOIN_X, behaviour)
+    node.rendezvous.in_place = True
+    assert node.run() == 0
+    fallbacks = node.kinds("standby_fallback")
+    assert len(fallbacks) == 1 and why in fallbacks[0]["reason"]
+    assert [g.round for g in node.groups] == [STANDBY_ROUND, 0]  # then fresh workers
+    assert node.journal[-2:] == ["finish round 0", "leave"]
+
+
+def test_a_run_that_does_not_re_form_in_place_starts_no_standby_workers(tmp_path):
+    node = Node(tmp_path, JOIN_X, Behaviour(finish_round=0))
+    assert node.run() == 0
+    assert node.journal[:3] == ["register", "round 0", "start round 0"]
+    assert not node.kinds("standby_ready") and not node.kinds("standby_fallback")
+
+
+@pytest.mark.parametrize("cause, paused_before_the_round", [
+    (Cause(CauseKind.NEWCOMER, "y"), False),
+    (Cause.member_lost(["x"]), True),
+], ids=["newcomer", "member-lost"])
+def test_workers_train_on_until_a_newcomers_round_closes(tmp_path, cause,
+                                                         paused_before_the_round):
+    """A newcomer costs the others a pause only once its round closed (its workers
+    are ready by then); a lost member stops them at the next step boundary at once."""
+    script = [members(("x", 2), (NODE, 2)), members(("x", 2), (NODE, 2), ("y", 1))]
+    if cause.kind is CauseKind.MEMBER_LOST:
+        script[1] = members((NODE, 2))
+    node = Node(tmp_path, script)
+    node.rendezvous.change = cause
+    node.rendezvous.change_when = lambda: node.channel_shows(TRAINING, 0)
+    pause_seen = []
+    node.rendezvous.on_next_plan = lambda number: pause_seen.append(
+        (number, node.groups != [] and (Path(node.job.reform_dir) / "pause.json").exists()))
+    assert node.run() == 0
+    assert pause_seen == [(0, False), (1, paused_before_the_round)]
+    assert len(node.groups) == 1 and not node.kinds("reform_fallback")
+
+
+def test_a_node_with_notice_leaves_the_run_before_its_in_place_workers_exit(tmp_path,
+                                                                          monkeypatch):
+    """The others hold the same state: nothing to save, and their next round must not
+    wait for our processes to end. Our workers stop at the agreed boundary."""
+    node = Node(tmp_path, [members((NODE, 2), ("x", 2))], Behaviour(exit_on_notice=True))
+    seen: list = []  # the channel's assignments while the agent waits for its workers
+    wait = FakeGroup.wait
+    monkeypatch.setattr(FakeGroup, "wait", lambda group, timeout_s: seen.extend(
+        ReformChannel(Path(node.job.reform_dir)).assignment(local) for local in (0, 1))
+        or wait(group, timeout_s))
+
+    def reclaimed_once_formed() -> bool:
+        if node.channel_shows(TRAINING, 0):
+            (tmp_path / "reclaim-notice").touch()  # --notice-file appears
+        return False
+    node.rendezvous.leaving_when = reclaimed_once_formed
+    assert node.run() == 0
+    assert node.journal.index("leave") < node.journal.index("worker 0 exits")
+    assert not [line for line in node.journal if line.startswith(("stop", "signal"))]
+    assert [w.code for w in node.groups[0].workers] == [EXIT_FOR_RESIZE] * 2
+    left = node.kinds("reform_left")
+    assert [(e["round"], e["notice"], e["stopped"]) for e in left] == [(1, True, False)]
+    # Had the others' pause been agreed first, the workers would find their way out:
+    assert [(a.round, a.leave) for a in seen] == [(1, True), (1, True)]
+

@@ -112,3 +112,22 @@ def test_a_re_formed_group_names_its_workers_by_their_new_global_ranks():
     assert failure.as_failure("b")["stderr_tail"] == ["boom"]
     with pytest.raises(ValueError, match="gives node b 2 workers; 4 are running"):
         group.reassign(Plan(5, (Member("b", 0, 2, "10.0.0.2", 0),), "10.0.0.2", 29502), "b")
+
+
+def test_a_standby_worker_gets_everything_but_a_place():
+    """Started before its node joined (agent/standby.py): no rank, world size or master,
+    so the script runs without a process group until the channel gives it a place."""
+    from elastic_runner.agent.workers import standby_env
+
+    config = WorkerConfig(argv=("python", "train.py"), nproc=4, fingerprint="f", gpu_count=4)
+    job = WorkerEnv(run_id="job7", max_restarts=5, reform_dir="/scratch/reform")
+    got = [standby_env({"RANK": "9"}, local, job, config) for local in range(4)]
+    placement = {"RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                 "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    assert [sorted(placement & set(env)) for env in got] == [[]] * 4  # the agent's RANK too
+    assert [e["LOCAL_RANK"] for e in got] == ["0", "1", "2", "3"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in got] == ["0", "1", "2", "3"]  # bound already
+    read = WorkerEnv.from_env(got[1])
+    assert (read.standby, read.round, read.local_world_size, read.reform_dir) == \
+        (True, -1, 4, "/scratch/reform")
+    assert WorkerEnv.from_env(envs("a", gpu_count=0)[0]).standby is False
