@@ -32,7 +32,11 @@ Choices written down here (today's behaviour, kept):
   the next plan's first member does not open a round for it while its key lives
   on (`left_out_on_suspicion`): a dead node would only hold that round open
   until its lease expired. Alive, it finds itself outside the plan and opens the
-  next round itself, exactly as a newcomer does (`outsider_action`).
+  next round itself, exactly as a newcomer does (`outsider_action`). Until its key
+  goes (or it joins a round), no later round waits for it at all
+  (`RoundLook.suspects`): alive, it would have come back through a round of its
+  own, and otherwise a resize soon after (a join, a notice) would wait out the
+  lease of a node that has long been left behind.
 """
 
 from __future__ import annotations
@@ -195,20 +199,23 @@ class RoundLook:
     deadline: float
     # The round was opened for a suspected member (CauseKind.MEMBER_SUSPECTED).
     suspected: bool = False
+    # Live keys of nodes an earlier round left out on suspicion, not joined since.
+    suspects: frozenset[str] = frozenset()
 
 
 def suspect_left_out(look: RoundLook, now: float, rules: RoundRules) -> frozenset[str]:
-    """Members of the previous plan a suspected round no longer waits for.
-
-    None before --suspect-grace has passed since the round opened (on this
-    agent's clock); after it, every previous member that has not joined, live
-    key or not: a node SIGKILLed a moment ago keeps its key until its lease
-    expires, which is the wait suspicion exists to skip.
+    """Nodes a round no longer waits for: in any round, those an earlier round left
+    out on suspicion (`suspects`) that have not joined; in a suspected round, also
+    every member of the previous plan that has not joined, live key or not, once
+    --suspect-grace has passed since the round opened (on this agent's clock): a
+    node SIGKILLed a moment ago keeps its key until its lease expires, which is the
+    wait suspicion exists to skip.
     """
+    stale = look.suspects - look.joined
     if not look.suspected or look.previous is None or \
             now < look.opened_at + rules.suspect_grace_s:
-        return frozenset()
-    return frozenset(look.previous) - look.joined
+        return stale
+    return (frozenset(look.previous) - look.joined) | stale
 
 
 def close_inputs(look: RoundLook, now: float,

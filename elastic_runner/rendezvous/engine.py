@@ -321,6 +321,7 @@ class EtcdRendezvous:
         if plan is None:
             return 0.1  # our copy lags the closing transaction by a moment
         if plan.member(self.node_id):
+            self.newcomers.left_out.note(plan, self.plan(plan.round - 1) if plan.round else None)
             return plan
         room = self.newcomers.has_room(plan, self._config.nproc)
         action = d.outsider_action(room, self.newcomers.own_wait() if room else 0.0)
@@ -382,7 +383,8 @@ class EtcdRendezvous:
                            previous.node_ids if previous else None,
                            self._min_met_at.get(number), opened_at, deadline,
                            suspected=p.Cause.parse(seen.state.cause).kind
-                           is p.CauseKind.MEMBER_SUSPECTED)
+                           is p.CauseKind.MEMBER_SUSPECTED,
+                           suspects=self.newcomers.left_out.live())
         closer = d.elect_closer((p.node_id_from_key(kv.key), kv.create_revision) for kv in joins)
         return look, previous, closer
 

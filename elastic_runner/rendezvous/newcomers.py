@@ -30,6 +30,43 @@ from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
 
 
+class LeftOut:
+    """Nodes a round left out on suspicion, each remembered by its key's incarnation
+    (create revision) until that key goes or a later plan takes the node back.
+
+    Why remembered: a SIGKILLed node's key lives on until its lease expires (the
+    lease TTL), and a round opened meanwhile for any other reason (a join, a notice)
+    would count it as a live node yet to join and wait for it. Every member of the
+    plan that left it out notes it, so whichever closes a later round knows.
+    """
+
+    def __init__(self, mirror: PrefixMirror, config: RendezvousConfig):
+        self._mirror = mirror
+        self._prefix = config.prefix
+        self._left: dict[str, int] = {}
+        self._noted_round = -1
+
+    def note(self, plan: p.Plan, previous: p.Plan | None) -> None:
+        """`plan` was closed: remember whom it left out, forget whom it took back."""
+        if plan.round <= self._noted_round:
+            return
+        self._noted_round = plan.round
+        for node in plan.node_ids:
+            self._left.pop(node, None)
+        for node in d.left_out_on_suspicion(plan, previous):
+            kv = self._mirror.get(p.node_key(self._prefix, node))
+            if kv is not None:
+                self._left[node] = kv.create_revision
+
+    def live(self) -> frozenset[str]:
+        """Those whose key is still the one that was left out."""
+        for node, revision in list(self._left.items()):
+            kv = self._mirror.get(p.node_key(self._prefix, node))
+            if kv is None or kv.create_revision != revision:
+                del self._left[node]  # gone, or back as a new agent: a newcomer
+        return frozenset(self._left)
+
+
 class Newcomers:
     def __init__(self, mirror: PrefixMirror, config: RendezvousConfig,
                  clock: Callable[[], float]):
@@ -37,6 +74,7 @@ class Newcomers:
         self._config = config
         self._clock = clock
         self._nodes = p.nodes_prefix(config.prefix)
+        self.left_out = LeftOut(mirror, config)
         # ((round, live nodes, departures), when to look again): the first member
         # is asked every monitor tick, and a scan of every node key each time
         # would cost O(N) per tick where nothing changed.
@@ -81,7 +119,8 @@ class Newcomers:
     def _waiting(self, plan: p.Plan) -> list[str]:
         """Live nodes outside `plan` that would fit into it (not those it left out
         on a suspicion)."""
-        in_plan = set(plan.node_ids) | d.left_out_on_suspicion(plan, self._previous(plan))
+        in_plan = set(plan.node_ids) | d.left_out_on_suspicion(plan, self._previous(plan)) \
+            | self.left_out.live()
         waiting = []
         for kv in self._mirror.children(self._nodes):
             node = p.node_id_from_key(kv.key)

@@ -455,3 +455,21 @@ def test_a_suspected_round_obeys_its_grace(view, rules, elapsed):
             assert not silent & set(members)
             survivors = [n for n in view.previous if n in members]
             assert list(members[:len(survivors)]) == survivors  # stable order kept
+
+
+def test_a_later_round_does_not_wait_for_a_node_left_out_on_suspicion():
+    """c was left out on suspicion earlier and its key still lives (its lease): a
+    round opened for a newcomer, or a notice, must not wait for it until it expires.
+    Alive, c would have come back through a round of its own."""
+    registered = {"a": 0.0, "b": 0.0, "c": 0.0, "n": 0.5}
+    view = d.RoundLook(frozenset({"a", "b", "n"}), 3, registered, ("a", "b"), 0.6, 0.0,
+                       100.0, suspected=False, suspects=frozenset({"c"}))
+    inputs, _ = d.close_inputs(view, 0.1, SUSPECT)
+    assert inputs.all_live_joined and p.may_close(inputs)  # c no longer counts as live
+    assert d.suspect_left_out(view, 0.1, SUSPECT) == {"c"}
+    # A suspect that did come back and joined is simply a member of the round.
+    back = dataclasses.replace(view, joined=frozenset({"a", "b", "c", "n"}), workers=4)
+    assert d.suspect_left_out(back, 5.0, SUSPECT) == frozenset()
+    # Without the memory, the same round waits for c (settle, up to --settle-max).
+    inputs, _ = d.close_inputs(dataclasses.replace(view, suspects=frozenset()), 5.0, SUSPECT)
+    assert not inputs.all_live_joined and not p.may_close(inputs)
