@@ -177,20 +177,29 @@ class InProcessReform:
         are gone (fallback: stopped; not in the new round: left)."""
         self._ctx.events.emit("reform_started", round=plan.round, reason=cause.text(),
                               inprocess=True)
+        ok, new = self._attempt(
+            group, lambda: self._reform(group, plan, cause), plan.round, "reform_fallback",
+            "in-process re-formation after round %d failed (%s); stopping the workers and "
+            "restarting them")
+        if ok and new is not None:
+            self._announce(plan, new, time.monotonic() - paused_at)
+        return new
+
+    def _attempt(self, group: Workers, attempt: Callable[[], Plan | None], round_number: int,
+                 event: str, message: str) -> tuple[bool, Plan | None]:
+        """(True, what `attempt` returned), or (False, None) after a ReformFallback: then
+        the workers were stopped, with one line (`message`) and one `event`. Any other
+        error stops them too and goes on up."""
         try:
-            new = self._reform(group, plan, cause)
+            return True, attempt()
         except ReformFallback as why:
-            log.warning("in-process re-formation after round %d failed (%s); stopping the "
-                        "workers and restarting them", plan.round, why)
-            self._ctx.events.emit("reform_fallback", round=plan.round, reason=str(why))
+            log.warning(message, round_number, why)
+            self._ctx.events.emit(event, round=round_number, reason=str(why))
             group.stop(self._ctx.stop_grace_s)
-            return None
+            return False, None
         except BaseException:
             group.stop(self._ctx.stop_grace_s)
             raise
-        if new is not None:
-            self._announce(plan, new, time.monotonic() - paused_at)
-        return new
 
     def _reform(self, group: Workers, plan: Plan, cause: Cause) -> Plan | None:
         if cause.kind is CauseKind.MEMBER_SUSPECTED:  # open the next round now
@@ -219,18 +228,11 @@ class InProcessReform:
     def place(self, group: Workers, plan: Plan) -> bool:
         """Give standby workers (standby.py) their places in `plan`; False when they
         could not take them (then they were stopped, with one line and one event)."""
-        try:
-            self._take_places(group, plan, "exited on standby")
-        except ReformFallback as why:
-            log.warning("the standby workers could not take their places in round %d (%s); "
-                        "starting fresh workers", plan.round, why)
-            self._ctx.events.emit("standby_fallback", round=plan.round, reason=str(why))
-            group.stop(self._ctx.stop_grace_s)
-            return False
-        except BaseException:
-            group.stop(self._ctx.stop_grace_s)
-            raise
-        return True
+        ok, _ = self._attempt(
+            group, lambda: self._take_places(group, plan, "exited on standby"), plan.round,
+            "standby_fallback", "the standby workers could not take their places in round %d "
+            "(%s); starting fresh workers")
+        return ok
 
     def _take_places(self, group: Workers, new: Plan, exited: str) -> None:
         """Assign every worker its place in `new`; wait until all trained in it."""
