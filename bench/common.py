@@ -246,13 +246,20 @@ class Launcher:
 def first_full_step(path: Path, world: int, after: float, ranks_needed: int | None = None):
     """Earliest step row at `world` after `after` such that every rank of that world
     has logged at least one step since `after` (a world that actually trains)."""
-    rows = [r for r in steps_of(path) if r["world"] == world and r["t"] >= after]
+    rows = first_full_step_rows(path, world, after, ranks_needed)
+    return min(rows, key=lambda r: r["t"]) if rows else None
+
+
+def first_full_step_rows(path: Path, world: int, after: float,
+                         ranks_needed: int | None = None) -> list[dict]:
+    """Each rank's first step row at `world` after `after`, once all ranks have one."""
     seen: dict[int, dict] = {}
-    for r in rows:
-        seen.setdefault(r["rank"], r)
-        if len(seen) >= (ranks_needed or world):
-            return min(seen.values(), key=lambda r: r["t"])
-    return None
+    for r in steps_of(path):
+        if r["world"] == world and r["t"] >= after:
+            seen.setdefault(r["rank"], r)
+            if len(seen) >= (ranks_needed or world):
+                return list(seen.values())
+    return []
 
 
 def wait_until(pred, timeout: float, poll: float = 0.1):

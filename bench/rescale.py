@@ -103,6 +103,26 @@ def last_step_before(job: c.Launcher, t: float, since: float = 0.0,
     return max(rows) if rows else None
 
 
+def pause_and_transfer(job: c.Launcher, t_ev: float, row: dict | None, since: float,
+                       target: int) -> dict:
+    """How long training stood still (the old world's last step -> the new world's
+    first, all ranks), how many worker processes the new world started (not seen
+    stepping before the event), and what the state sync moved (er-inproc's sync rows:
+    bytes received over all ranks, the slowest rank's seconds)."""
+    if row is None:
+        return {"pause_s": None, "new_procs": None, "sync_bytes": None, "sync_s": None}
+    steps = c.steps_of(job.steps_file)
+    old = [r["t"] for r in steps if since <= r["t"] < row["t"] and r["world"] != target]
+    before = {r["pid"] for r in steps if r["t"] < t_ev}
+    first = c.first_full_step_rows(job.steps_file, target, t_ev)
+    syncs = [r for r in c.read_jsonl(job.steps_file) if r.get("kind") == "sync"
+             and t_ev <= r["t"] <= row["t"]]
+    return {"pause_s": row["t"] - max(old) if old else None,
+            "new_procs": len({r["pid"] for r in first} - before),
+            "sync_bytes": sum(r["received"] for r in syncs) if syncs else None,
+            "sync_s": max(r["seconds"] for r in syncs) if syncs else None}
+
+
 def one_run(key: str, args, etcd_endpoint: str, workdir: Path) -> dict:
     label, kind, env, extra = VARIANTS[key]
     M, N = args.nproc, args.nodes
@@ -166,7 +186,7 @@ def one_run(key: str, args, etcd_endpoint: str, workdir: Path) -> dict:
         before = last_step_before(job, row["t"], phase_t, exclude_world=target) if row else None
         out = {"s": row["t"] - t_ev if row else None, "error": err,
                "redone": max(0, before - row["step"] + 1) if row and before is not None else None,
-               "host": host}
+               "host": host, **pause_and_transfer(job, t_ev, row, phase_t, target)}
         if event == "sigterm":
             victim_proc = job.agents[victim]
             try:
@@ -204,6 +224,27 @@ def one_run(key: str, args, etcd_endpoint: str, workdir: Path) -> dict:
                 break
     job.stop_all()
     return res
+
+
+PAUSE_FIELDS = ("pause_s", "new_procs", "sync_bytes", "sync_s")
+
+
+def pause_table(summary: dict, keys: list[str]) -> str:
+    """Training stood still for (old world's last step -> new world's first), worker
+    processes started, and the state moved to bring ranks level (in-process only)."""
+    def cell(figures: dict) -> str:
+        if not figures.get("pause_s"):
+            return "n/a"
+        text = (f"{c.fmt(figures['pause_s'], 's', 2)}, {c.fmt(figures['new_procs'], '', 0)} new "
+                "proc(s)")
+        if figures.get("sync_bytes") and figures["sync_bytes"]["median"]:
+            text += (f", {figures['sync_bytes']['median'] / 1e3:.1f} kB in "
+                     f"{c.fmt(figures['sync_s'], 's', 3)}")
+        return text
+    rows = [[DESCR[ev]] + [cell(summary[k][ev]) for k in keys] for ev in EVENTS[1:]]
+    return ("training pause (last step of the old world -> first of the new, any rank), "
+            "worker processes started, state received by ranks that were behind\n"
+            + c.table(["event"] + [VARIANTS[k][0] for k in keys], rows))
 
 
 def restart_floor(args, workdir: Path, world: int) -> dict:
@@ -293,7 +334,9 @@ def main() -> None:
             runs = [r.get(ev) for r in results[key] if r.get(ev)]
             summary[key][ev] = {"s": c.mmm([r["s"] for r in runs]),
                                 "redone": c.mmm([r["redone"] for r in runs]),
-                                "failures": [r["error"] for r in runs if r["error"]]}
+                                "failures": [r["error"] for r in runs if r["error"]],
+                                **{f: c.mmm([r.get(f) for r in runs if r.get(f) is not None])
+                                   for f in PAUSE_FIELDS}}
             if ev == "host_sigkill":
                 summary[key][ev]["survived"] = f"{sum(1 for r in runs if r.get('survived'))}/{len(runs)}"
 
@@ -322,8 +365,9 @@ def main() -> None:
                 r = c.ratio(summary[ers[0]][ev]["s"], summary[t][ev]["s"])
                 row.append(f"{r:.2f}" if r is not None else "n/a (torchrun: no step)")
         rows.append(row)
-    er_best = min((summary[k][ev]["s"]["median"] for k in ers for ev in ("sigkill", "sigterm")
-                   if summary[k][ev]["s"]), default=None)
+    restarting = [k for k in ers if k != "er-inproc"]  # the floor bounds restarts only
+    er_best = min((summary[k][ev]["s"]["median"] for k in restarting
+                   for ev in ("sigkill", "sigterm") if summary[k][ev]["s"]), default=None)
     floor_med = floor["total"]["median"] if floor["total"] else None
     text = (f"rescale: N={args.nodes} agents x M={args.nproc} worker(s), checkpoint every "
             f"{args.every} steps, step sleep {args.step_time}s, {args.repeats} repeat(s); "
@@ -339,6 +383,7 @@ def main() -> None:
                f"{er_best - floor_med:.2f}s" if er_best and floor_med else "")
             + f"\netcd v2: {v2['etcd_v2_api']}; python-etcd: {v2['python_etcd']}"
             + f"\nwall time {time.time() - started:.0f}s")
+    text += "\n\n" + pause_table(summary, keys)
     print("\n" + text)
     path = c.save("rescale", {"args": vars(args), "env": info, "summary": summary,
                               "runs": results, "restart_floor": floor, "etcd_v2": v2,

@@ -174,6 +174,11 @@ def run_in_process(args, model, opt, t_pg: float) -> None:
 
     @er.elastic(state)
     def train(state):
+        sync = state.last_sync  # what this (re-)formation moved to bring the ranks level
+        if sync is not None:
+            out.write(json.dumps({"kind": "sync", "t": time.time(), "step": sync.step,
+                                  "received": sync.received, "seconds": sync.seconds,
+                                  **dynamic(ctx)}) + "\n")
         gen = torch.Generator().manual_seed(1000 + ctx.rank)
         for step, indices in sampler:
             train_step(model, opt, torch.randn(len(indices), args.dim, generator=gen),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ class SyncReport:
     source: int | None  # the rank the state came from; None when nobody was behind
     receivers: tuple[int, ...]  # the ranks that were behind
     received: int  # bytes this rank received (0 on the source and on ranks up to date)
+    seconds: float = 0.0  # how long the sync took here, the step comparison included
 
 
 def plan_transfer(steps: list[int]) -> tuple[int, tuple[int, ...]]:
@@ -180,6 +182,7 @@ class State(Mapping):
 
         if group not in (None, getattr(dist.group, "WORLD", None)):
             raise ValueError("State.sync() runs on the default process group only")
+        started = time.monotonic()
         self.last_sync = SyncReport(self._step, None, (), 0)
         if not (dist.is_available() and dist.is_initialized()):
             return 0
@@ -189,7 +192,8 @@ class State(Mapping):
         steps = _all_gather_steps(self._step)
         source, behind = plan_transfer(steps)
         received = self._transfer(source, behind) if behind else 0
-        self.last_sync = SyncReport(self._step, source if behind else None, behind, received)
+        self.last_sync = SyncReport(self._step, source if behind else None, behind, received,
+                                    time.monotonic() - started)
         if received:
             log.info("received the state of step %d from rank %d (%d bytes)",
                      self._step, source, received)
