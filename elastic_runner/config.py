@@ -154,6 +154,20 @@ class RendezvousConfig:
         return max(10, 4 * int(self.lease_ttl_s))
 
     @property
+    def formation_timeout_s(self) -> int:
+        """How long a worker re-forming in place waits for the new round's process group.
+
+        Why shorter than a collective: every member was paused and assigned within
+        moments of the others, so a member that has not come after this long never
+        will (it was reclaimed, or died, after the round closed). The worker then
+        pauses again in that round instead of failing, and the job re-forms without
+        it; at churn like a spot trace's, waiting the collective timeout each time
+        cost 20 s per lost round. Two TTLs (at least 5 s): the rendezvous' own
+        patience with a node that does not answer.
+        """
+        return min(self.collective_timeout_s, max(5, 2 * int(self.lease_ttl_s)))
+
+    @property
     def keepalive_interval_s(self) -> float:
         """How often this node's lease is refreshed (a third of the TTL)."""
         return keepalive_interval_s(self.lease_ttl_s)

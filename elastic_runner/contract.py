@@ -121,7 +121,7 @@ _VARIABLES = {
     "notice_path": "ELASTIC_RUN_NOTICE_PATH", "progress_dir": "ELASTIC_RUN_PROGRESS_DIR",
     "events_path": "ELASTIC_RUN_EVENTS_PATH",
     "reform_dir": "ELASTIC_RUN_REFORM_DIR", "collective_timeout_s": "ELASTIC_RUN_COLLECTIVE_TIMEOUT",
-    "standby": "ELASTIC_RUN_STANDBY",
+    "standby": "ELASTIC_RUN_STANDBY", "formation_timeout_s": "ELASTIC_RUN_FORMATION_TIMEOUT",
 }
 # What places a worker in a round: a standby worker (reform.py) is started without them.
 PLACEMENT_FIELDS = ("rank", "world_size", "group_rank", "group_world_size", "role_rank",
@@ -169,6 +169,8 @@ class WorkerEnv:
     collective_timeout_s: int = 0
     # Started before its node joined a round: no place yet, the channel gives it one.
     standby: bool = False
+    # How long a re-forming worker waits for the new round's group (0: the collective's).
+    formation_timeout_s: int = 0
 
     def to_env(self) -> dict[str, str]:
         """The variables to set; empty optional values are left out, as torchrun does."""

@@ -325,5 +325,6 @@ def job_env(config: AgentConfig, etcd: EtcdConfig, scratch: Path,
         progress_dir=str(scratch / PROGRESS_DIR),
         events_path=str(events_path) if events_path is not None else "",
         reform_dir=str(scratch / REFORM_DIR),
-        collective_timeout_s=config.rendezvous.collective_timeout_s)
+        collective_timeout_s=config.rendezvous.collective_timeout_s,
+        formation_timeout_s=config.rendezvous.formation_timeout_s)
 

@@ -190,11 +190,20 @@ class Reformer:
         self._refuse_sharded(reason)
         self._leave_group()
         self._report(PAUSED, reason)
-        assignment = self._await_assignment()
-        if assignment.leave:
-            self._leave_job(assignment)
-        self._join(assignment)
+        self._take_place(self._leave_job)
         self._report(TRAINING)
+
+    def _take_place(self, leave: Callable[[Assignment], None]) -> None:
+        """Join the round of the next assignment (`leave` it when this node is not in
+        it). A round whose group does not form in time (a member never came: it was
+        reclaimed or died after the round closed) is paused in, reported, and the
+        assignment after it taken: the agent re-forms without the missing member."""
+        while True:
+            assignment = self._await_assignment()
+            if assignment.leave:
+                leave(assignment)
+            if self._join(assignment):
+                return
 
     def _refuse_sharded(self, reason: str) -> None:
         """A sharded State cannot be kept: the restart path takes over. After an asked
@@ -234,10 +243,7 @@ class Reformer:
         log.info("standby: local rank %d is ready and waits for its place",
                  self.context.local_rank)
         self._report(STANDBY)
-        assignment = self._await_assignment()
-        if assignment.leave:  # the node gave up joining before it got a place
-            raise SystemExit(EXIT_FOR_RESIZE)
-        self._join(assignment)
+        self._take_place(_give_up_standby)
 
     def _leave_job(self, assignment: Assignment) -> None:
         """This node is not in the new round: finish (pending saves) and exit."""
@@ -251,22 +257,43 @@ class Reformer:
             log.warning("%s", error)
         raise SystemExit(EXIT_FOR_RESIZE)
 
-    def _join(self, assignment: Assignment) -> None:
-        """Take this worker's place in the assignment's round; FAILED if it cannot."""
+    def _join(self, assignment: Assignment) -> bool:
+        """Take this worker's place in the assignment's round: True once in its group;
+        False when the group did not form within the formation timeout (this worker
+        is then PAUSED in that round); FAILED for anything else."""
         import torch.distributed as dist
 
         _export(assignment)
         try:
             dist.init_process_group(self.context.backend, timeout=datetime.timedelta(
+                seconds=_formation_timeout_s(self.job)))
+        except Exception as error:  # noqa: BLE001 - every way of failing is told to the agent
+            first_line = collective_failure(error)
+            if first_line is None:
+                self._fail(f"cannot join round {assignment.round}: {error}".splitlines()[0])
+            self._move(assignment)
+            leave_process_group(log)
+            log.warning("round %d did not form (%s); waiting for the next one",
+                        assignment.round, first_line)
+            self._report(PAUSED, f"{COLLECTIVE_ERROR}: round {assignment.round} did not "
+                                 f"form: {first_line}")
+            return False
+        try:
+            # Formed: collectives get the full collective timeout again
+            # (distributed_c10d._set_pg_timeout sets the backend's default timeout).
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(
                 seconds=runtime.group_timeout_s(self.job)))
-            self.context.move(assignment.rank, assignment.world_size,
-                              assignment.local_world_size, assignment.restart_count,
-                              assignment.round)
+            self._move(assignment)
         except Exception as error:  # noqa: BLE001 - every way of failing is told to the agent
             self._fail(f"cannot join round {assignment.round}: {error}".splitlines()[0])
         self._attach()
         log.warning("re-formed in place: rank %d of %d in round %d", assignment.rank,
                     assignment.world_size, assignment.round)
+        return True
+
+    def _move(self, assignment: Assignment) -> None:
+        self.context.move(assignment.rank, assignment.world_size, assignment.local_world_size,
+                          assignment.restart_count, assignment.round)
 
     def _fail(self, reason: str) -> None:
         log.error("in-process re-formation failed: %s", reason)
@@ -289,6 +316,17 @@ class Reformer:
         self.channel.report(self.context.local_rank, WorkerState(
             round=self.context.round, phase=phase, step=self.state.step, pid=os.getpid(),
             reason=reason))
+
+
+def _give_up_standby(assignment: Assignment) -> None:
+    """The node gave up joining before its standby workers got a place."""
+    raise SystemExit(EXIT_FOR_RESIZE)
+
+
+def _formation_timeout_s(job: WorkerEnv) -> float:
+    """How long to wait for a new round's group: the launcher's formation timeout."""
+    return float(job.formation_timeout_s) if job.formation_timeout_s > 0 \
+        else runtime.group_timeout_s(job)
 
 
 def _export(assignment: Assignment) -> None:

@@ -33,6 +33,7 @@ SAMPLES, BATCH = 360, 12  # 30 steps; 12 splits evenly over 1, 2, 3 and 4 ranks
 LAST_STEP = SAMPLES // BATCH
 HOLD = 8
 DEADLINE_S = 120.0
+FORMATION_S = 3  # how long a re-forming worker waits for a new round's group
 
 
 class Node:
@@ -51,14 +52,16 @@ class Node:
             group_world_size=world, role_rank=rank, role_world_size=world,
             master_addr="127.0.0.1", master_port=port, round=round_number,
             notice_path=str(self.dir / "notice"), progress_dir=str(self.dir / "progress"),
-            reform_dir=str(self.channel.directory), collective_timeout_s=30).to_env(), extra)
+            reform_dir=str(self.channel.directory), collective_timeout_s=30,
+            formation_timeout_s=FORMATION_S).to_env(), extra)
 
     def start_standby(self, cluster: "Cluster", *extra: str) -> None:
         """As agent/standby.py starts a joining node's worker: no place, no group."""
         env = WorkerEnv(local_rank=0, local_world_size=1, round=STANDBY_ROUND, standby=True,
                         notice_path=str(self.dir / "notice"),
                         progress_dir=str(self.dir / "progress"),
-                        reform_dir=str(self.channel.directory), collective_timeout_s=30).to_env()
+                        reform_dir=str(self.channel.directory), collective_timeout_s=30,
+            formation_timeout_s=FORMATION_S).to_env()
         for name in PLACEMENT_FIELDS:
             env.pop(variable(name))
         self._spawn(cluster, env, extra)
@@ -336,4 +339,32 @@ def test_a_standby_newcomer_is_ready_before_the_pause_and_joins_with_its_model_b
     # Rank 0 alone wrote checkpoints: the standby readers wrote nothing (no probe).
     assert sorted(path.name for path in (tmp_path / "ckpt").iterdir()
                   if not path.name.startswith("step-")) == []
+
+
+def test_a_round_whose_group_never_forms_is_paused_in_and_the_next_one_taken(cluster_of):
+    """A member of the new round never comes (reclaimed after the round closed): the
+    others give up on that round after the formation timeout, pause in it with a
+    collective error (evidence for the agent) and take the next assignment, in place."""
+    cluster = cluster_of(2)
+    first, second = cluster.nodes
+    port = free_port()
+    for rank, node in enumerate(cluster.nodes):
+        node.start(cluster, rank, 2, port, 0, "--hold-at", str(HOLD))
+    cluster.wait_held(cluster.nodes)
+    for node in cluster.nodes:
+        node.channel.ask_pause(0)
+    cluster.go.touch()
+    cluster.wait_phase(cluster.nodes, 0, PAUSED)
+    port = free_port()
+    assign(first, 1, 0, 3, port)  # rank 2 of round 1 never starts
+    assign(second, 1, 1, 3, port)
+    stuck = cluster.wait_phase(cluster.nodes, 1, PAUSED)
+    assert all(s.reason.startswith(f"{COLLECTIVE_ERROR}: round 1 did not form") for s in stuck)
+    assert [s.step for s in stuck] == [HOLD + 1, HOLD + 1]  # nothing trained meanwhile
+    port = free_port()
+    assign(first, 2, 0, 2, port)
+    assign(second, 2, 1, 2, port)
+    assert cluster.exit_codes(cluster.nodes) == [0, 0]
+    assert_consistent(cluster, {0: 2, 2: 2})
+    assert pids_by_round(cluster)[2] == {first.proc.pid, second.proc.pid}
 
