@@ -306,7 +306,7 @@ class Reformer:
         tells the State of every completed step."""
         boundary, channel, context = self.context.boundary, self.channel, self.context
         boundary.pause_asked = lambda: channel.pause_asked(context.round)
-        boundary.on_completed = self.state.commit
+        boundary.on_completed = self.state.completed
 
     def _detach(self) -> None:
         self.context.boundary.pause_asked = None

@@ -124,7 +124,18 @@ class State(Mapping):
     def commit(self, step: int | None = None) -> None:
         """Step `step` is complete (default: the one after the last). The runtime
         calls this at every ElasticSampler boundary; other scripts call it once per
-        step, after the optimizer step."""
+        step, after the optimizer step, and it is then their step boundary: a pause
+        or a notice every rank agreed on is acted on here (under `@er.elastic` it
+        leaves the loop to re-form, as the sampler's boundary does)."""
+        self.completed(step)
+        if self._sampler is None:
+            from elastic_runner.worker import runtime  # it does not import this module
+
+            runtime.at_step_boundary(self._step, 0)
+
+    def completed(self, step: int | None = None) -> None:
+        """Record that step `step` is complete, and nothing more: what the sampler's
+        boundary tells the State (it does the agreeing itself)."""
         self._step = step if step is not None else max(self._step, 0) + 1
         self._remember_position()
 

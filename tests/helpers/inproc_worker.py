@@ -35,6 +35,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ckpt", default="")
     parser.add_argument("--every", type=int, default=0)
     parser.add_argument("--assignment-timeout", type=float, default=120.0)
+    parser.add_argument("--no-sampler", action="store_true",
+                        help="no ElasticSampler: the loop counts steps and calls state.commit()")
     return parser.parse_args()
 
 
@@ -63,7 +65,10 @@ def main() -> None:
     model = torch.nn.Linear(8, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sampler = er.ElasticSampler(args.samples, global_batch_size=args.batch, seed=3)
-    state = er.State(model=model, optimizer=optimizer, sampler=sampler)
+    if args.no_sampler:
+        state = er.State(model=model, optimizer=optimizer)
+    else:
+        state = er.State(model=model, optimizer=optimizer, sampler=sampler)
     ckpt = er.Checkpointer(args.ckpt, every=args.every) if args.ckpt else None
     if ckpt is not None:
         state.restore(ckpt)
@@ -75,7 +80,7 @@ def main() -> None:
             source=sync.source if sync else None,
             receivers=list(sync.receivers) if sync else None, hash=param_hash(model))
         ddp = DDP(model)
-        for step, indices in sampler:
+        for step, indices in (counted_steps(state, args) if args.no_sampler else sampler):
             optimizer.zero_grad()
             batch = torch.tensor(indices, dtype=torch.long)
             loss = torch.nn.functional.mse_loss(ddp(inputs[batch]), targets[batch])
@@ -88,11 +93,24 @@ def main() -> None:
                 log("held", step=step)
                 while not os.path.exists(args.release):
                     time.sleep(0.01)
-        return sampler.step
+            if args.no_sampler:
+                state.commit(step)  # the step boundary of a script without a sampler
+        return state.step if args.no_sampler else sampler.step
 
     last = train()
     log("done", step=last, hash=param_hash(model))
     er.finish()
+
+
+def counted_steps(state, args):
+    """Steps the script counts itself from the State's last completed one: step s
+    trains samples (s-1)*batch .. s*batch-1 in order, split over the ranks of now."""
+    import torch.distributed as dist
+
+    while state.step < args.samples // args.batch:
+        step = max(state.step, 0) + 1
+        rank, world = dist.get_rank(), dist.get_world_size()
+        yield step, list(range((step - 1) * args.batch, step * args.batch))[rank::world]
 
 
 if __name__ == "__main__":

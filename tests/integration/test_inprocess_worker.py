@@ -368,3 +368,25 @@ def test_a_round_whose_group_never_forms_is_paused_in_and_the_next_one_taken(clu
     assert_consistent(cluster, {0: 2, 2: 2})
     assert pids_by_round(cluster)[2] == {first.proc.pid, second.proc.pid}
 
+
+def test_a_script_without_a_sampler_pauses_at_its_own_commit(cluster_of):
+    """state.commit() is the step boundary of a loop that counts its own steps: an
+    asked pause is agreed there, and the workers re-form in place."""
+    cluster = cluster_of(2)
+    first, second = cluster.nodes
+    port = free_port()
+    for rank, node in enumerate(cluster.nodes):
+        node.start(cluster, rank, 2, port, 0, "--hold-at", str(HOLD), "--no-sampler")
+    cluster.wait_held(cluster.nodes)
+    for node in cluster.nodes:
+        node.channel.ask_pause(0)
+    cluster.go.touch()
+    paused = cluster.wait_phase(cluster.nodes, 0, PAUSED)
+    assert [(s.step, s.reason) for s in paused] == [(HOLD + 1, ASKED)] * 2
+    port = free_port()
+    assign(first, 1, 1, 2, port)  # ranks swap: each trains the other's share from now
+    assign(second, 1, 0, 2, port)
+    assert cluster.exit_codes(cluster.nodes) == [0, 0]
+    assert_consistent(cluster, {0: 2, 1: 2})
+    assert pids_by_round(cluster)[1] == {first.proc.pid, second.proc.pid}
+
