@@ -44,6 +44,7 @@ from elastic_runner.errors import StaleWriterError
 from elastic_runner.worker.checkpoint import checkpointer as _checkpoint
 from elastic_runner.worker.checkpoint.background import BackgroundWriter
 from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
+from elastic_runner.worker.checkpoint.objects import holds_objects, state_of
 from elastic_runner.contract import CHECKPOINT_RECORD, EXIT_FOR_RESIZE, ProgressWriter, WorkerEnv
 from elastic_runner.files import write_atomic
 from elastic_runner.reform import STANDBY_ROUND
@@ -350,7 +351,9 @@ class Checkpointer(_checkpoint.Checkpointer):
             log.warning("%s (training goes on from the state in memory)", error)
         context = self._context
         self.rank, self._world_size = context.rank, context.world_size
-        if self.rank == 0 and not self._closed:
+        if self._sharded is not None:
+            self._sharded.rebind()
+        if (self.rank == 0 or self._sharded is not None) and not self._closed:
             self._storage.probe()
             if self.config.async_save and self._writer is None:
                 self._writer = BackgroundWriter(self._exit_line)
@@ -380,9 +383,9 @@ class Checkpointer(_checkpoint.Checkpointer):
     def save(self, step: int, state_dict: Any) -> str | None:
         """Write checkpoint `step`. Given objects (modules, optimizers, the sampler),
         their state_dict() is saved and they are registered for resizes."""
-        if _holds_objects(state_dict):
+        if holds_objects(state_dict):
             self._registered = state_dict
-        where = super().save(step, _state_of(state_dict))
+        where = super().save(step, state_dict if self.config.sharded else state_of(state_dict))
         self._last_saved = step
         if self._stopping:
             self.wait()
@@ -395,13 +398,10 @@ class Checkpointer(_checkpoint.Checkpointer):
         """Load the newest verified checkpoint into `objects` (each entry's
         load_state_dict) and register them; return its step, or None if there is none."""
         self._registered = objects
-        state = self.load_latest()
-        if state is None:
-            return None
-        for name, target in objects.items():
-            if name in state and hasattr(target, "load_state_dict"):
-                target.load_state_dict(state[name])
-        return self.loaded_step
+        step = super().restore(objects)
+        if self.config.sharded:
+            self._emit_loaded()
+        return step
 
     def defers_to_due(self) -> bool:
         """Nothing registered, but the script asks due() every step: let it save."""
@@ -412,9 +412,9 @@ class Checkpointer(_checkpoint.Checkpointer):
         self.request_save()
 
     def save_for_resize(self, step: int) -> bool:
-        """At an agreed stop: rank 0 saves the registered state of `step` and waits for
-        it. True when a checkpoint of `step` exists (saved now or before)."""
-        if self.rank != 0 or self._closed:
+        """At an agreed stop: rank 0 (sharded: every rank) saves the registered state of
+        `step` and waits for it. True when a checkpoint of `step` exists (saved now or before)."""
+        if (self.rank != 0 and not self.config.sharded) or self._closed:
             return self._registered is not None
         if self._last_saved == step:
             self.wait()
@@ -432,10 +432,13 @@ class Checkpointer(_checkpoint.Checkpointer):
 
     def load_latest(self) -> Any:
         state = super().load_latest()
+        self._emit_loaded()
+        return state
+
+    def _emit_loaded(self) -> None:
         if self._events is not None and self.rank == 0 and self.loaded_step is not None:
             self._events.emit("checkpoint_loaded", step=self.loaded_step,
                               round=self._context.round)
-        return state
 
     def _saved(self, step: int, url: str, duration_s: float) -> None:
         """Verified and published: only now may the event log and metrics say so.
@@ -461,19 +464,6 @@ def _event_log(context: Context | None):
         return None
     from elastic_runner.events import EventLog
     return EventLog(f"rank{context.rank}", context.run_id, Path(context.events_path))
-
-
-def _holds_objects(state: Any) -> bool:
-    return isinstance(state, Mapping) and any(
-        callable(getattr(value, "state_dict", None)) for value in state.values())
-
-
-def _state_of(state: Any) -> Any:
-    """Objects become their state_dict(); plain values (and finished dicts) stay."""
-    if not _holds_objects(state):
-        return state
-    return {name: value.state_dict() if callable(getattr(value, "state_dict", None)) else value
-            for name, value in state.items()}
 
 
 _progress: list = []  # outside er.init(): the process's one (rank, ProgressWriter | None)

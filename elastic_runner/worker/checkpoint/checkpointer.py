@@ -85,6 +85,10 @@ class _Unreadable(_Unverified):
     """Skipped because storage did not answer; maybe transient, so never deleted."""
 
 
+class _OtherFormat(_Unreadable):
+    """A sharded checkpoint (sharded.py): never loaded as this format, never deleted."""
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Policy knobs, validated once so a bad value fails at construction."""
@@ -93,6 +97,7 @@ class CheckpointConfig:
     every: int | None = None
     async_save: bool = False
     weights_only: bool = True
+    sharded: bool = False
 
     def __post_init__(self) -> None:
         if self.keep is not None and self.keep < 1:
@@ -112,7 +117,8 @@ class Checkpointer:
                  every: int | None = None, async_save: bool = False, rank: int | None = None,
                  latest_store: LatestStore | None = None, *, weights_only: bool = True,
                  world_size: int | None = None,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None,
+                 sharded: bool = False) -> None:
         """Open the root; rank 0 proves it can write there now, not at step N.
 
         Args:
@@ -125,11 +131,14 @@ class Checkpointer:
             weights_only: for torch.load; False only if the storage is trusted.
             world_size: recorded in the manifest; defaults to torch.distributed's.
             storage_options: passed to fsspec (credentials, endpoints).
+            sharded: every rank writes its own shards with torch.distributed.checkpoint
+                and restore(objects) reshards them (sharded.py); needs a process group.
 
         Raises:
-            CheckpointError: rank 0 cannot write to the root, or no fsspec backend.
+            CheckpointError: rank 0 (sharded: any rank) cannot write to the root, no
+                fsspec backend, or sharded=True without a process group.
         """
-        self.config = CheckpointConfig(keep, every, async_save, weights_only)
+        self.config = CheckpointConfig(keep, every, async_save, weights_only, sharded)
         dist_rank, dist_world = _dist_rank_and_size()
         self.rank = dist_rank if rank is None else rank
         self._world_size = dist_world if world_size is None else world_size
@@ -141,7 +150,12 @@ class Checkpointer:
         self.loaded_step: int | None = None
         self._loaded_record: dict[str, Any] | None = None
         self._closed = False
-        if self.rank == 0:
+        self._sharded = None  # sharded.ShardedFormat: every rank writes, so every rank probes
+        if sharded:
+            from elastic_runner.worker.checkpoint.sharded import ShardedFormat
+
+            self._sharded = ShardedFormat(self, storage_options or {})
+        if self.rank == 0 or sharded:
             self._storage.probe()
             if async_save:
                 self._writer = BackgroundWriter(self._exit_line)
@@ -174,7 +188,12 @@ class Checkpointer:
             StaleWriterError: the latest store refused the record.
             CheckpointError: raised by the previous async save, reported here;
                 this save is then not started.
+
+        Sharded: every rank calls it with the objects themselves (modules,
+        optimizers, the sampler), not their state_dict(), and gets the URL.
         """
+        if self._sharded is not None:
+            return self._save_sharded(step, state_dict)
         if self.rank != 0:
             self._requested.clear()
             return None
@@ -189,6 +208,37 @@ class Checkpointer:
             self._writer.submit(step, self._write, step, _snapshot(state_dict, {}))
         self._requested.clear()
         return self._storage.url(self._dir(step))
+
+    def _save_sharded(self, step: int, objects: Any) -> str:
+        if self._closed:
+            raise CheckpointError("save() on a closed Checkpointer")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if not isinstance(objects, Mapping):
+            raise TypeError("a sharded save takes a mapping of name -> object, e.g. "
+                            f"{{'model': model, 'optim': opt}}, not {type(objects).__name__}")
+        if self._writer is not None:
+            self._writer.collect()
+        where = self._sharded.save(step, objects)
+        self._requested.clear()
+        return where
+
+    def restore(self, objects: Mapping[str, Any]) -> int | None:
+        """Load the newest verified checkpoint into `objects` (each one's
+        load_state_dict); return its step, or None if there is none. Both formats:
+        sharded, every rank takes part and the shards are resharded to this world.
+        """
+        if self._sharded is not None:
+            if self._writer is not None:  # our own save; its error stays for wait()
+                self._writer.settle()
+            return self._sharded.restore(objects, self.config.weights_only)
+        state = self.load_latest()
+        if state is None:
+            return None
+        for name, target in objects.items():
+            if name in state and hasattr(target, "load_state_dict"):
+                target.load_state_dict(state[name])
+        return self.loaded_step
 
     def wait(self) -> None:
         """Block until the in-flight async save is done; re-raise its error once."""
@@ -220,6 +270,9 @@ class Checkpointer:
                 refused it (e.g. custom classes with weights_only=True). Falling
                 back would silently throw away training progress.
         """
+        if self._sharded is not None:
+            raise CheckpointError("a sharded checkpoint loads into the objects themselves: "
+                                  "call restore({'model': model, 'optim': opt, ...})")
         if self._writer is not None:  # our own save; its error stays for wait()
             self._writer.settle()
         self.loaded_step, self._loaded_record = None, None
@@ -277,6 +330,9 @@ class Checkpointer:
                 raise _Unverified("its sha256 differs from the latest_store record")
             data = self._read_state(step)
             _check_digest(manifest, len(data), hashlib.sha256(data).hexdigest())
+        except _OtherFormat as exc:
+            raise CheckpointError(f"checkpoint {self._storage.url(path)} {exc}: open it with "
+                                  "er.Checkpointer(url, sharded=True), or save elsewhere") from None
         except _Unverified as exc:
             log.warning("skipping checkpoint %s: %s", self._storage.url(path), exc)
             return _SKIPPED
@@ -319,6 +375,8 @@ class Checkpointer:
             raise _Unreadable(f"cannot read {MANIFEST_FILE}: {exc}") from None
         except (ValueError, KeyError, TypeError) as exc:
             raise _Unverified(f"unreadable {MANIFEST_FILE}: {exc!r}") from None
+        if not ok and m.get("format") == "sharded":
+            raise _OtherFormat("was saved with sharded=True")
         if not ok:
             raise _Unverified(f"{MANIFEST_FILE} is not a format-{FORMAT} record of step {step}")
         return m
