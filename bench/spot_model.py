@@ -183,14 +183,25 @@ def _in_process(b: _Book, job: Job, er_start_s: float) -> InProcessElastic:
         detection_s=b.take(f"{k}.detection_s", _add(t["sigkill"], -reform), f"rescale.json:{k}.sigkill - reform_s",
                            1.0, goal.format("SIGKILL <= 1.5 s = detection + reform")),
         reform_s=reform,
-        join_reform_s=b.take(f"{k}.join_reform_s", _add(t["join"], -job.restart_floor_s, -transfer),
-                             f"rescale.json:{k}.join - restart_floor_s - transfer", 1.0,
-                             goal.format("join <= 1 s + transfer")),
+        join_reform_s=_join_reform(b, k, t["join"], job, transfer, goal),
         start_rendezvous_s=b.take(f"{k}.start_rendezvous_s",
                                   _add(t["start"], -job.restart_floor_s, -job.checkpoint_load_s),
                                   f"rescale.json:{k}.start - restart", er_start_s, "as er.start_rendezvous_s"),
         survivors_hold_state=b.note(f"{k}.survivors_hold_state", True, "config (workload.py is data-parallel: "
                                     "every rank holds the whole model)"))
+
+
+def _join_reform(b: _Book, k: str, total, job: Job, transfer: float, goal: str) -> float:
+    """The others' pause on a join, less the state transfer (the model adds its own).
+    rescale.py measures that pause directly now (the newcomer boots on standby while
+    the others train); older rescale.json files only had the total from its start."""
+    pause = _add(b.read("rescale.json", f"summary.{k}.join.pause_s.median"),
+                 -(b.read("rescale.json", f"summary.{k}.join.sync_s.median") or 0.0))
+    if pause is not None:
+        return b.take(f"{k}.join_reform_s", pause, f"rescale.json:{k}.join.pause_s - sync_s", 1.0)
+    return b.take(f"{k}.join_reform_s", _add(total, -job.restart_floor_s, -transfer),
+                  f"rescale.json:{k}.join - restart_floor_s - transfer", 1.0,
+                  goal.format("join <= 1 s + transfer"))
 
 
 def measured_profile(rescale: dict, replay: dict) -> Profile:

@@ -172,6 +172,23 @@ def test_an_in_process_row_in_rescale_json_replaces_the_goals():
     assert all(s.startswith("measured") for k, s in p.sources if k.startswith("er-inproc.") and k.endswith("_s"))
 
 
+def test_a_measured_join_pause_is_the_others_pause_and_the_newcomer_boots_meanwhile():
+    """rescale.py now times the others' pause on a join directly (standby newcomers):
+    the model's join pause is that, the transfer measured apart; the boot is lag."""
+    totals = {"start": 2.0, "sigkill": 1.25, "join": 6.0, "sigterm": 0.25}
+    summary = {ev: {"s": {"median": s}} for ev, s in totals.items()}
+    summary["join"].update(pause_s={"median": 0.66}, sync_s={"median": 0.04})
+    rescale = {"restart_floor": {k: {"median": 0.5} for k in ("import_torch", "process_group", "ckpt_and_first_step")},
+               "summary": {"er-inproc": summary}}
+    p = sm.measured_profile(rescale, {})
+    join = p.launchers[-1].respond(sm.Event(0, "join", 1, 2), p.job, 2, 0.0)
+    transfer = p.job.state_bytes / p.job.bandwidth_Bps
+    assert join.pause_s == pytest.approx(0.62 + transfer)
+    assert join.lag_s == pytest.approx(p.job.restart_floor_s)  # the others train meanwhile
+    assert dict(p.sources)["er-inproc.join_reform_s"] == \
+        "measured (rescale.json:er-inproc.join.pause_s - sync_s)"
+
+
 def test_without_measurement_files_no_parameter_claims_to_be_measured():
     p = sm.measured_profile({}, {})
     sources = dict(p.sources)
