@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import socket
 import threading
 from pathlib import Path
 
@@ -30,11 +29,7 @@ LOGGER = "elastic_runner.worker.checkpoint.sharded"
 
 @pytest.fixture(scope="module")
 def group():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
@@ -78,9 +73,14 @@ def skips(caplog) -> list[str]:
             if r.name == LOGGER and r.levelno == logging.WARNING]
 
 
-def test_sharded_needs_a_process_group(tmp_path):
+def test_sharded_needs_a_process_group(tmp_path, monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # whatever ran before
     with pytest.raises(CheckpointError, match="needs a process group"):
         Checkpointer(tmp_path, sharded=True)
+    standby = Checkpointer(tmp_path, sharded=True, rank=-1)  # no place yet (reform.py)
+    assert standby.restore(objects()) is None
+    with pytest.raises(CheckpointError, match="standby"):
+        standby.save(1, objects())
 
 
 def test_save_commits_a_manifest_last_and_restore_loads_every_object(group, tmp_path):

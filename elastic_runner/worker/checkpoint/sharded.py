@@ -93,10 +93,12 @@ class ShardedFormat:
     the latest record, the background writer and the hooks this uses."""
 
     def __init__(self, owner: Any, storage_options: Mapping[str, Any]) -> None:
-        require_process_group()
         self._owner = owner
         self._options = dict(storage_options)
-        self._group = dist.new_group(backend="gloo")
+        self._group = None  # a standby worker (rank -1, reform.py) gets it on rebind()
+        if owner.rank != -1:
+            require_process_group()
+            self._group = dist.new_group(backend="gloo")
 
     def rebind(self) -> None:
         """The default group was re-formed: every rank makes the new one's subgroup."""
@@ -105,6 +107,9 @@ class ShardedFormat:
     # ---- saving -------------------------------------------------------------------------
     def save(self, step: int, objects: Mapping[str, Any]) -> str:
         """Every rank: write this rank's shards of `objects` as checkpoint `step`."""
+        if self._group is None:
+            raise CheckpointError("a standby worker has no place in the job yet, so it "
+                                  "cannot write shards; save once the job has formed")
         started = time.monotonic()
         owner, directory = self._owner, self._owner._dir(step)
         self._agree(lambda: self._prepare(step))
@@ -204,6 +209,10 @@ class ShardedFormat:
         """Every rank: load the newest verified checkpoint into `objects`, resharded."""
         owner = self._owner
         owner.loaded_step, owner._loaded_record = None, None
+        if self._group is None:
+            log.info("standby: no sharded restore before this worker has a place; it "
+                     "receives the state when the job forms")
+            return None
         templates = sharded_state.loading(objects)
         record, candidates = self._agree(self._candidates)
         for step in candidates:
