@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -262,3 +263,16 @@ def test_a_resize_saves_the_registered_step_on_every_rank(group, context, tmp_pa
     assert runtime.Checkpointer(tmp_path, sharded=True).restore(fresh) == 3
     assert same(fresh, objs)
     ckpt.close()
+
+
+def test_an_fsspec_url_takes_the_same_path(group):
+    """Object stores go through DCP's fsspec writer and reader (memory:// here)."""
+    url, store, objs = f"memory://sharded-{uuid.uuid4().hex[:8]}", MemoryLatestStore(), objects()
+    train(objs, 2)
+    ckpt = Checkpointer(url, sharded=True, async_save=True, latest_store=store)
+    ckpt.save(2, objs)
+    ckpt.close()
+    assert store.read()["url"] == f"{url.replace('://', ':///')}/step-00000002"
+    fresh = objects(seed=1)
+    assert Checkpointer(url, sharded=True, latest_store=store).restore(fresh) == 2
+    assert same(fresh, objs)

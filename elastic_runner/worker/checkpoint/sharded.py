@@ -35,7 +35,13 @@ The guarantees of the rank-0 format (checkpointer.py) carry over:
 
 Collectives run on a gloo group of the checkpoint's own (made when the Checkpointer is,
 and again on rebind()), so the background thread never shares a communicator with
-training (DCP's async_save wants a CPU backend; the training group may be NCCL).
+training (DCP's async_save wants a CPU backend; the training group may be NCCL). It
+keeps torch's default timeout (30 min): a save's collectives wait for the slowest
+rank's writes, which can take minutes on an object store; a rank that dies mid-save
+is cut short by the agent, which stops every worker of the round.
+
+Costs: a restore reads every byte twice (once spread over the ranks to verify, once
+by DCP to load): the price of never loading bytes that are not the ones written.
 
 What DCP trusts: its `.metadata` file is a pickle, read by DCP itself. It is read only
 after its sha256 matched the manifest (and, for the recorded step, the manifest's
