@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 300
+STEPS = 150  # long enough that a still trains while the duplicate is refused
 
 
 def test_a_second_agent_with_a_live_nodes_id_exits_2_and_the_first_trains_on(job):
@@ -33,6 +33,7 @@ def test_a_second_agent_with_a_live_nodes_id_exits_2_and_the_first_trains_on(job
             duplicate.wait(timeout=10)
     output = log_path.read_text(errors="replace")
     assert code == 2, output
+    assert job.agents["a"].poll() is None, "a ended before the duplicate was refused"
     errors = [line for line in output.splitlines() if "error" in line.lower()]
     assert len(errors) == 1, output
     assert errors[0].startswith("elastic-run: error: node id 'a' is already registered by "

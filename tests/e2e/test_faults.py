@@ -19,30 +19,35 @@ def rounds_after(job, when: float) -> set[str]:
     return {r["ELASTIC_RUN_ROUND"] for r in job.steps() if r["t"] > when}
 
 
-def test_short_etcd_restart_does_not_disturb_training(job, etcd):
+def test_short_etcd_restart_does_not_disturb_training_a_long_outage_stops_then_resumes(job, etcd):
+    """One run, two etcd outages. A 1 s outage (plus restart) stays inside the lease
+    grace (TTL 2 s -> 4 s): 80 steps later the round and the workers' PIDs are the same.
+    Then an 8 s outage: both agents stop their workers, and once etcd is back the job
+    re-forms in a later round with every agent still running."""
     job.start("a", "b")
     formed = job.wait_world(4)
-    # Lease TTL 2 s -> grace 4 s: a 1 s outage plus restart stays inside it.
     fired = run_schedule(job, [at_step(job.steps()[-1]["step"] + 5, stop_etcd(etcd, 1.0))])
     outage = fired[0].time
     job.wait_for(lambda: max((r["step"] for r in job.steps() if r["t"] > outage),
                              default=0) > fired[0].step + 80, 60,
                  "80 steps after the outage")
-    assert rounds_after(job, outage - 1) == {formed[0]["ELASTIC_RUN_ROUND"]}  # no re-formation
+    assert rounds_after(job, outage - 1) == {formed[0]["ELASTIC_RUN_ROUND"]}, \
+        "short outage: the job re-formed"
     pids = {r["pid"] for r in job.steps() if r["t"] > outage - 1}
-    assert pids == {r["pid"] for r in formed}                 # no worker restarted
-    assert all(p.poll() is None for p in job.agents.values())
+    assert pids == {r["pid"] for r in formed}, "short outage: a worker restarted"
+    assert all(p.poll() is None for p in job.agents.values()), "short outage: an agent ended"
+    for node in ("a", "b"):
+        assert "workers stopped, waiting up to" not in job.agent_log(node), \
+            f"short outage: {node} stopped its workers"
 
-
-def test_long_etcd_outage_stops_workers_then_resumes(job, etcd):
-    job.start("a", "b")
-    formed = job.wait_world(4)
     fired = run_schedule(job, [at_step(job.steps()[-1]["step"] + 5, stop_etcd(etcd, 8.0))])
     rows = job.wait_world(4, after=fired[0].time + 8.0, timeout=60)
-    assert int(rows[0]["ELASTIC_RUN_ROUND"]) > int(formed[0]["ELASTIC_RUN_ROUND"])
+    assert int(rows[0]["ELASTIC_RUN_ROUND"]) > int(formed[0]["ELASTIC_RUN_ROUND"]), \
+        "long outage: no re-formation"
     for node in ("a", "b"):
-        assert "workers stopped, waiting up to" in job.agent_log(node)
-    assert all(p.poll() is None for p in job.agents.values())
+        assert "workers stopped, waiting up to" in job.agent_log(node), \
+            f"long outage: {node} did not stop its workers"
+    assert all(p.poll() is None for p in job.agents.values()), "long outage: an agent ended"
 
 
 @pytest.fixture

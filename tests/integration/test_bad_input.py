@@ -204,8 +204,10 @@ CASES = [
     pytest.param(dead_port, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
                                        "--etcd-timeout", "1", c.script],
                  4, ["{endpoint}"], id="etcd-unreachable"),
+    # --lease-ttl 2: the agent retries etcd for its grace (two TTLs, at least 5 s), not
+    # the default 10 s; what is checked is the exit code and the one line.
     pytest.param(http_server, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
-                                         "--etcd-timeout", "1", c.script],
+                                         "--etcd-timeout", "1", "--lease-ttl", "2", c.script],
                  4, ["{endpoint}"], id="not-etcd"),
     pytest.param(running_agent, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
                                            "--run-id", "same", "--nproc-per-node", "1",
@@ -267,12 +269,12 @@ CASES = [
                  2, ["TLS files rejected"], id="cert-key-swapped"),
     pytest.param(tls_etcd_and_other_ca,
                  lambda c: ["--rdzv-endpoints", c.values["endpoint"], "--etcd-timeout", "1",
-                            "--etcd-cacert", c.values["other_ca"], "--etcd-cert", c.values["cert"],
+                            "--lease-ttl", "2", "--etcd-cacert", c.values["other_ca"], "--etcd-cert", c.values["cert"],
                             "--etcd-key", c.values["key"], c.script],
                  4, ["TLS", "certificate does not verify"], id="tls-wrong-ca"),
     pytest.param(plain_etcd_and_pem,
                  lambda c: ["--rdzv-endpoints", c.values["https"], "--etcd-timeout", "1",
-                            "--etcd-cacert", c.values["ca"], c.script],
+                            "--lease-ttl", "2", "--etcd-cacert", c.values["ca"], c.script],
                  4, ["TLS", "does not speak TLS"], id="https-to-plain-etcd"),
 ]
 
