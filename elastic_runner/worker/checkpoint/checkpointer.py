@@ -22,23 +22,13 @@ the next `save()`, `due()`, `wait()` or `close()`, or at interpreter exit
 
 A record whose checkpoint fails verification is retracted by rank 0's
 `load_latest()` (see checkpoint_latest), so it stops fencing the steps that are
-about to be redone.
-
-After each successful save of step S (and never before it is published), the
-writer tidies the steps up to S: verified ones beyond `keep` are deleted, step
-directories below S that definitely do not verify (no manifest, wrong size or
-sha256, manifest without state) are deleted, and the temporary files of writers
-killed mid-write are deleted from the directories kept. It never touches S
-itself (the newest verified step as far as this writer knows), steps above S
-(they may be a newer writer's, or evidence of a rollback), or a step it could
-not read (storage errors may be transient). A fenced writer still writing a step
-below S loses its files, which is the outcome it must have anyway: it can no
-longer publish.
+about to be redone. After each successful save (and never before it is published)
+the writer tidies older steps: verdicts.py has the rules, shared with the sharded
+format (sharded.py).
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import io
 import json
@@ -46,7 +36,6 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -54,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_runner.worker.checkpoint.background import BackgroundWriter
+from elastic_runner.worker.checkpoint.objects import check_save_arguments, snapshot
 from elastic_runner.worker.checkpoint.latest import (
     NO_CHECKPOINT,
     LatestStore,
@@ -61,7 +51,11 @@ from elastic_runner.worker.checkpoint.latest import (
     names_no_checkpoint,
     refuses,
 )
+from elastic_runner.worker.checkpoint import verdicts
 from elastic_runner.worker.checkpoint.storage import Storage as _Storage
+from elastic_runner.worker.checkpoint.verdicts import (
+    MANIFEST_FILE, OtherFormat, Unreadable, Unverified,
+)
 from elastic_runner.errors import CheckpointError, CheckpointWriteError, StaleWriterError
 
 __all__ = [
@@ -73,20 +67,7 @@ log = logging.getLogger("elastic_runner.worker.checkpoint.checkpointer")
 
 FORMAT = 1
 STATE_FILE = "state.pt"
-MANIFEST_FILE = "MANIFEST.json"
 _SKIPPED = object()
-
-
-class _Unverified(Exception):
-    """A checkpoint that must be skipped; the message is the reason."""
-
-
-class _Unreadable(_Unverified):
-    """Skipped because storage did not answer; maybe transient, so never deleted."""
-
-
-class _OtherFormat(_Unreadable):
-    """A sharded checkpoint (sharded.py): never loaded as this format, never deleted."""
 
 
 @dataclass(frozen=True)
@@ -205,18 +186,14 @@ class Checkpointer:
             self._write(step, state_dict)
         else:
             self._writer.collect()
-            self._writer.submit(step, self._write, step, _snapshot(state_dict, {}))
+            self._writer.submit(step, self._write, step, snapshot(state_dict, {}))
         self._requested.clear()
         return self._storage.url(self._dir(step))
 
     def _save_sharded(self, step: int, objects: Any) -> str:
         if self._closed:
             raise CheckpointError("save() on a closed Checkpointer")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        if not isinstance(objects, Mapping):
-            raise TypeError("a sharded save takes a mapping of name -> object, e.g. "
-                            f"{{'model': model, 'optim': opt}}, not {type(objects).__name__}")
+        check_save_arguments(step, objects)
         if self._writer is not None:
             self._writer.collect()
         where = self._sharded.save(step, objects)
@@ -327,13 +304,13 @@ class Checkpointer:
         try:
             manifest = self._manifest(step)
             if expect_sha is not None and manifest["sha256"] != expect_sha:
-                raise _Unverified("its sha256 differs from the latest_store record")
+                raise Unverified("its sha256 differs from the latest_store record")
             data = self._read_state(step)
             _check_digest(manifest, len(data), hashlib.sha256(data).hexdigest())
-        except _OtherFormat as exc:
+        except OtherFormat as exc:
             raise CheckpointError(f"checkpoint {self._storage.url(path)} {exc}: open it with "
                                   "er.Checkpointer(url, sharded=True), or save elsewhere") from None
-        except _Unverified as exc:
+        except Unverified as exc:
             log.warning("skipping checkpoint %s: %s", self._storage.url(path), exc)
             return _SKIPPED
         self._verified[step] = manifest["sha256"]
@@ -345,9 +322,9 @@ class Checkpointer:
         try:
             return self._storage.fs.cat_file(f"{self._dir(step)}/{STATE_FILE}")
         except FileNotFoundError:
-            raise _Unverified(f"no {STATE_FILE}") from None
+            raise Unverified(f"no {STATE_FILE}") from None
         except OSError as exc:
-            raise _Unreadable(f"cannot read {STATE_FILE}: {exc}") from None
+            raise Unreadable(f"cannot read {STATE_FILE}: {exc}") from None
 
     def _deserialize(self, data: bytes, path: str) -> Any:
         # map_location=cpu: a checkpoint saved on cuda:N must load on any node.
@@ -370,15 +347,15 @@ class Checkpointer:
             ok = m["format"] == FORMAT and m["step"] == step
             ok = ok and isinstance(m["sha256"], str) and isinstance(m["bytes"], int)
         except FileNotFoundError:
-            raise _Unverified(f"no {MANIFEST_FILE}: the save never committed") from None
+            raise Unverified(f"no {MANIFEST_FILE}: the save never committed") from None
         except OSError as exc:
-            raise _Unreadable(f"cannot read {MANIFEST_FILE}: {exc}") from None
+            raise Unreadable(f"cannot read {MANIFEST_FILE}: {exc}") from None
         except (ValueError, KeyError, TypeError) as exc:
-            raise _Unverified(f"unreadable {MANIFEST_FILE}: {exc!r}") from None
+            raise Unverified(f"unreadable {MANIFEST_FILE}: {exc!r}") from None
         if not ok and m.get("format") == "sharded":
-            raise _OtherFormat("was saved with sharded=True")
+            raise OtherFormat("was saved with sharded=True")
         if not ok:
-            raise _Unverified(f"{MANIFEST_FILE} is not a format-{FORMAT} record of step {step}")
+            raise Unverified(f"{MANIFEST_FILE} is not a format-{FORMAT} record of step {step}")
         return m
 
     def _verify(self, step: int) -> None:
@@ -388,9 +365,9 @@ class Checkpointer:
             try:
                 size, sha = self._storage.hash_file(f"{self._dir(step)}/{STATE_FILE}")
             except FileNotFoundError:
-                raise _Unverified(f"no {STATE_FILE}") from None
+                raise Unverified(f"no {STATE_FILE}") from None
             except OSError as exc:
-                raise _Unreadable(f"cannot read {STATE_FILE}: {exc}") from None
+                raise Unreadable(f"cannot read {STATE_FILE}: {exc}") from None
             _check_digest(m, size, sha)
             self._verified[step] = sha
 
@@ -464,7 +441,7 @@ class Checkpointer:
         self._verified.pop(step, None)
         try:
             self._verify(step)
-        except _Unverified as exc:
+        except Unverified as exc:
             raise CheckpointWriteError(f"read-back of {st.url(d)} failed: {exc}") from None
         return manifest
 
@@ -474,28 +451,8 @@ class Checkpointer:
 
     # ---- tidying (after a published save) ---------------------------------------------
     def _tidy(self, saved: int) -> None:
-        """Delete what the save of `saved` made obsolete; rules in the module docstring."""
-        kept = 0
-        try:
-            for step in (s for s in self._storage.steps() if s <= saved):
-                try:
-                    self._verify(step)
-                except _Unreadable:
-                    continue
-                except _Unverified as exc:
-                    if step < saved:
-                        log.info("removing unverified checkpoint %s: %s",
-                                 self._storage.url(self._dir(step)), exc)
-                        self._remove(step)
-                    continue
-                kept += 1
-                if self.config.keep is not None and kept > self.config.keep:
-                    self._remove(step)
-                else:
-                    self._storage.remove_temporaries(self._dir(step))
-        except OSError as exc:  # the save itself is done and published
-            log.warning("could not tidy checkpoints under %s: %s",
-                        self._storage.url(self._storage.root), exc)
+        verdicts.tidy(self._storage, self._dir, self._verify, self._remove, self.config.keep,
+                      saved)
 
     def _remove(self, step: int) -> None:
         d = self._dir(step)
@@ -513,23 +470,9 @@ class Checkpointer:
 
 def _check_digest(manifest: Mapping[str, Any], size: int, sha: str) -> None:
     if size != manifest["bytes"]:
-        raise _Unverified(f"{STATE_FILE} has {size} bytes, manifest says {manifest['bytes']}")
+        raise Unverified(f"{STATE_FILE} has {size} bytes, manifest says {manifest['bytes']}")
     if sha != manifest["sha256"]:
-        raise _Unverified(f"{STATE_FILE} sha256 {sha[:12]}... does not match the manifest")
-
-
-def _snapshot(obj: Any, memo: dict[int, torch.Tensor]) -> Any:
-    """CPU copy made in the caller's thread so training may mutate right after."""
-    # memo: a tensor that appears twice (tied weights) stays shared in the copy.
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            memo[id(obj)] = obj.detach().to("cpu", copy=True)
-        return memo[id(obj)]
-    if type(obj) in (dict, OrderedDict):
-        return type(obj)((k, _snapshot(v, memo)) for k, v in obj.items())
-    if type(obj) in (list, tuple):
-        return type(obj)(_snapshot(v, memo) for v in obj)
-    return copy.deepcopy(obj)
+        raise Unverified(f"{STATE_FILE} sha256 {sha[:12]}... does not match the manifest")
 
 
 def _dist_rank_and_size() -> tuple[int, int | None]:

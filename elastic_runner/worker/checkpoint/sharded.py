@@ -63,7 +63,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from elastic_runner.errors import CheckpointError, CheckpointWriteError, StaleWriterError
 from elastic_runner.worker.checkpoint import sharded_files as files
-from elastic_runner.worker.checkpoint import sharded_state
+from elastic_runner.worker.checkpoint import sharded_state, verdicts
 from elastic_runner.worker.checkpoint.latest import names_no_checkpoint
 
 log = logging.getLogger("elastic_runner.worker.checkpoint.sharded")
@@ -311,27 +311,12 @@ class ShardedFormat:
         return box[0][1]
 
     def _tidy(self, saved: int) -> None:
-        """Rank 0, after publishing `saved`: the rules in the module docstring."""
-        owner, storage, kept = self._owner, self._owner._storage, 0
-        try:
-            for step in (s for s in storage.steps() if s <= saved):
-                directory = owner._dir(step)
-                try:
-                    files.check_sizes(storage, directory,
-                                      files.read_manifest(storage, directory, step))
-                except (files.OtherFormat, files.Unreadable):
-                    continue
-                except files.Unverified as exc:
-                    if step < saved:
-                        log.info("removing unverified checkpoint %s: %s",
-                                 storage.url(directory), exc)
-                        owner._remove(step)
-                    continue
-                kept += 1
-                if owner.config.keep is not None and kept > owner.config.keep:
-                    owner._remove(step)
-                else:
-                    storage.remove_temporaries(directory)
-        except OSError as exc:  # the save itself is done and published
-            log.warning("could not tidy checkpoints under %s: %s",
-                        storage.url(storage.root), exc)
+        """Rank 0, after publishing `saved`: verdicts.tidy's rules; a step checks out
+        here when its manifest is consistent and every file has its size (a flipped
+        bit is caught by the restore's hashes instead)."""
+        owner, storage = self._owner, self._owner._storage
+
+        def verify(step: int) -> None:
+            directory = owner._dir(step)
+            files.check_sizes(storage, directory, files.read_manifest(storage, directory, step))
+        verdicts.tidy(storage, owner._dir, verify, owner._remove, owner.config.keep, saved)

@@ -32,22 +32,13 @@ from typing import Any, Mapping
 
 from torch.distributed.checkpoint import FileSystemWriter, FileSystemReader
 
+from elastic_runner.worker.checkpoint.verdicts import (  # noqa: F401 - sharded.py reads them here
+    MANIFEST_FILE, OtherFormat, Unreadable, Unverified,
+)
+
 FORMAT = "sharded"
 VERSION = 1
-MANIFEST_FILE = "MANIFEST.json"
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint.filesystem's _metadata_fn
-
-
-class Unverified(Exception):
-    """A checkpoint that must be skipped; the message is the reason (names the file)."""
-
-
-class Unreadable(Unverified):
-    """Skipped because storage did not answer; maybe transient, so never deleted."""
-
-
-class OtherFormat(Exception):
-    """The step was written by the rank-0 format: neither skipped nor deleted."""
 
 
 class _Recording:
