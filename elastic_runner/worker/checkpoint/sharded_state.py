@@ -72,10 +72,9 @@ def saving(objects: Mapping[str, Any], rank: int) -> dict[str, Any]:
     owners = _owners(objects)
     out: dict[str, Any] = {}
     for name, obj in objects.items():
-        if isinstance(obj, torch.nn.Module):
-            out[name] = _ModuleState(obj)
-        elif isinstance(obj, torch.optim.Optimizer):
-            out[name] = _OptimizerState(owners[name], obj)
+        sharded = _sharded(name, obj, owners)
+        if sharded is not None:
+            out[name] = sharded
         elif callable(getattr(obj, "state_dict", None)):
             if rank == 0:
                 out[name] = obj.state_dict()
@@ -89,14 +88,22 @@ def loading(objects: Mapping[str, Any]) -> dict[str, Any]:
     owners = _owners(objects)
     out: dict[str, Any] = {}
     for name, obj in objects.items():
-        if isinstance(obj, torch.nn.Module):
-            out[name] = _ModuleState(obj)
-        elif isinstance(obj, torch.optim.Optimizer):
-            out[name] = _OptimizerState(owners[name], obj)
+        sharded = _sharded(name, obj, owners)
+        if sharded is not None:
+            out[name] = sharded
         elif callable(getattr(obj, "load_state_dict", None)) and callable(
                 getattr(obj, "state_dict", None)):
             out[name] = _Replicated(obj)
     return out
+
+
+def _sharded(name: str, obj: Any, owners: Mapping[str, Any]) -> Any:
+    """A module or optimizer, through torch's state_dict helpers; None for the rest."""
+    if isinstance(obj, torch.nn.Module):
+        return _ModuleState(obj)
+    if isinstance(obj, torch.optim.Optimizer):
+        return _OptimizerState(owners[name], obj)
+    return None
 
 
 def _owners(objects: Mapping[str, Any]) -> dict[str, torch.nn.Module]:
