@@ -18,14 +18,19 @@ def ranks_by_node(rows: list[dict]) -> dict[str, set[tuple[int, int]]]:
     return nodes
 
 
-def test_three_nodes_form_world_six_then_lose_the_rank0_host_and_one_by_sigterm(job):
-    """a, b and c start together: world 6, ranks contiguous per node (two local ranks
-    each), every all-reduce saw all six. Then SIGKILL of the node hosting rank 0: the
-    rest re-form as world 4 on a new master port. Then SIGTERM to another: world 2, its
-    lease is revoked at once, and membership changes never counted as restarts."""
-    job.start("a", "b", "c")
-    rows = job.wait_world(6)
+def test_a_joining_node_scales_to_world_six_then_the_rank0_host_and_one_more_leave(job):
+    """a and b train as world 4; c joins: world 6, ranks contiguous per node (two local
+    ranks each), every all-reduce saw all six. (Three nodes started together: see
+    test_topology and the five-agent test below.) Then SIGKILL of the node hosting rank
+    0: the rest re-form as world 4 on a new master port. Then SIGTERM to another: world
+    2, its lease is revoked at once, and membership changes never counted as restarts."""
+    job.start("a", "b")
+    job.wait_world(4)
+    joined_at = time.time()
+    job.start("c")
+    rows = job.wait_world(6, after=joined_at, timeout=30)
     assert {int(r["RANK"]) for r in rows} == set(range(6))
+    print(f"join -> first step at world 6: {min(r['t'] for r in rows) - joined_at:.2f} s")
     nodes = ranks_by_node(rows)
     assert len(nodes) == 3
     for group_rank, ranks in nodes.items():
@@ -65,16 +70,6 @@ def _plan_line(job, node: str, round_id: str) -> str:
         if f"round {round_id}:" in line:
             return line.split("[", 2)[-1]
     return ""
-
-
-def test_new_node_scales_the_job_up(job):
-    job.start("a", "b")
-    job.wait_world(4)
-    joined_at = time.time()
-    job.start("c")
-    rows = job.wait_world(6, after=joined_at, timeout=30)
-    assert {int(r["RANK"]) for r in rows} == set(range(6))
-    print(f"join -> first step at world 6: {min(r['t'] for r in rows) - joined_at:.2f} s")
 
 
 def test_below_min_nodes_survivors_wait_then_continue(job):

@@ -44,30 +44,23 @@ def test_nodes_with_one_two_and_three_workers(job):
     assert sorted(len(r) for r in blocks(rows).values()) == [1, 3]
 
 
-def test_zones_get_contiguous_ranks_and_a_newcomer_joins_its_zone(job):
+def test_zones_get_contiguous_ranks_and_an_on_demand_newcomer_takes_rank0_with_its_zone(job):
+    """Four spot nodes in zones a, b, a, b: each zone gets one contiguous block of ranks.
+    Then a3 joins, on-demand, in zone a: rank 0 moves to it (it was on a spot node), and
+    its zone comes first with it, still contiguous: a3, a1, a2, b1, b2."""
     job.nproc, job.settle, job.max_nodes = 1, 3.0, 5
     for name, zone in (("a1", "a"), ("b1", "b"), ("a2", "a"), ("b2", "b")):
-        job.start(name, node_label=[f"zone={zone}"])
+        job.start(name, node_label=[f"zone={zone}", "lifecycle=spot"])
         # A known join order (zones interleaved a, b, a, b): the next node starts only
         # once this one is registered in etcd.
         job.wait_for(lambda: name in job.node_keys(), 60, f"{name} registered")
     rows = job.wait_world(4, timeout=60)
     order = plan_order(job, "a1", rows[0]["ELASTIC_RUN_ROUND"])
     zones = [name[0] for name in order]
-    assert zones in (["a", "a", "b", "b"], ["b", "b", "a", "a"])
+    assert zones in (["a", "a", "b", "b"], ["b", "b", "a", "a"]), order
     joined_at = time.time()
-    job.start("a3", node_label=["zone=a"])
+    job.start("a3", node_label=["zone=a", "lifecycle=on-demand"])
     rows = job.wait_world(5, after=joined_at, timeout=60)
-    zones = [name[0] for name in plan_order(job, "a1", rows[0]["ELASTIC_RUN_ROUND"])]
-    assert zones in (["a", "a", "a", "b", "b"], ["b", "b", "a", "a", "a"])
-
-
-def test_rank0_moves_to_the_on_demand_node(job):
-    job.nproc = 1
-    job.start("spot1", node_label=["lifecycle=spot"])
-    job.start("spot2", node_label=["lifecycle=spot"])
-    job.wait_world(2)
-    joined_at = time.time()
-    job.start("ondemand", node_label=["lifecycle=on-demand"])
-    rows = job.wait_world(3, after=joined_at, timeout=60)
-    assert plan_order(job, "spot1", rows[0]["ELASTIC_RUN_ROUND"])[0] == "ondemand"
+    order = plan_order(job, "a1", rows[0]["ELASTIC_RUN_ROUND"])
+    assert order[0] == "a3", f"rank 0 not on the on-demand node: {order}"
+    assert [name[0] for name in order] == ["a", "a", "a", "b", "b"], order

@@ -137,6 +137,7 @@ def test_sighup_is_handled_like_torchrun_and_forwarded_to_workers(tmp_path):
 
 
 TORCHRUN_STYLE = Path(__file__).resolve().parents[1] / "helpers" / "torchrun_style.py"
+STEPS = 150  # the three re-formations are over by step ~25; the rest is world 1 alone
 
 
 def test_an_unmodified_torchrun_script_survives_join_sigterm_and_sigkill(etcd, workdir):
@@ -149,7 +150,7 @@ def test_an_unmodified_torchrun_script_survives_join_sigterm_and_sigkill(etcd, w
     ckpt = workdir / "ckpt.pt"
     job = Job(etcd.endpoint, workdir, run_id="plain", nproc=1, script=TORCHRUN_STYLE,
               script_args=("--out", str(workdir / "steps.jsonl"), "--ckpt", str(ckpt),
-                           "--steps", "400"))
+                           "--steps", str(STEPS)))
     try:
         job.start("a", "b")
         job.wait_world(2, min_steps=8)
@@ -168,7 +169,7 @@ def test_an_unmodified_torchrun_script_survives_join_sigterm_and_sigkill(etcd, w
         job.stop_all()
     rows = job.steps()
     last = max(rows, key=lambda r: r["t"])
-    assert last["step"] == 399 and last["total"] == 400  # every step counted exactly once
+    assert last["step"] == STEPS - 1 and last["total"] == STEPS  # every step counted once
     resumed = {r["resumed_from"] for r in rows}
     assert len(resumed) >= 4 and all(s % 5 == 0 for s in resumed)  # each round from its file
     assert {r["WORLD_SIZE"] for r in rows} >= {"1", "2", "3"}
