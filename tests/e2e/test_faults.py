@@ -114,7 +114,10 @@ def test_hung_worker_is_detected_and_the_round_restarted(job, tmp_path):
     job.nproc = 1
     job.script = Path(__file__).resolve().parents[1] / "helpers" / "hang_worker.py"
     job.script_args = ("--out", str(out))
-    job.start("a", "b", worker_timeout=3, max_restarts=2)
+    # 6 s: below the collective timeout (10 s at the harness's --lease-ttl 2), so the
+    # hang is what is detected; above what a starved 2-core machine leaves between two
+    # progress writes of a healthy worker (3 s was seen to restart it a second time).
+    job.start("a", "b", worker_timeout=6, max_restarts=2)
     assert job.wait_exit("a", timeout=120) == 0 and job.wait_exit("b", timeout=30) == 0
     rows = read_jsonl(out)
     assert max(r["step"] for r in rows if r["restart"] == 0) < 10

@@ -130,23 +130,25 @@ def suspicion(observer: Agent) -> p.Cause:
 def test_a_silent_member_is_left_out_after_the_grace_and_gets_back_in(agents):
     a, b, c = agents("silent", "a", "b", "c")
     start = held_by_all([a, b, c], 0)
-    assert start.node_ids == ("a", "b", "c")
+    assert set(start.node_ids) == {"a", "b", "c"}  # in the order they joined
+    survivors = tuple(node for node in start.node_ids if node != "c")
     c.hang()  # as if SIGKILLed: no more joins, but its lease (30 s) lives on
     a.rdzv.suspect(start, suspicion(a))
     b.rdzv.suspect(start, suspicion(b))  # a second survivor's evidence opens nothing more
     shrunk = held_by_all([a, b], 1)
-    assert shrunk.node_ids == ("a", "b")  # survivors keep their order
+    assert shrunk.node_ids == survivors  # survivors keep their order
     assert shrunk.world_size == 2 and shrunk.restart_count == 0
     assert p.Cause.parse(shrunk.cause).kind is p.CauseKind.MEMBER_SUSPECTED
     assert c.rdzv.mirror.get(p.node_key(c.rdzv.prefix, "c")) is not None  # no lease expired
     # The first member opens no round for c while c is silent: its key may be a dead
     # node's, waiting for its lease, and such a round would wait for it.
-    assert a.rdzv.newcomers.members_wait(shrunk) is None
+    first = {"a": a, "b": b}[shrunk.node_ids[0]]
+    assert first.rdzv.newcomers.members_wait(shrunk) is None
     assert a.rdzv.current_round().state.number == 1
     # c was only slow: it finds itself outside the plan and gets back in.
     c.resume()
     grown = held_by_all([a, b, c], 2)
-    assert grown.node_ids == ("a", "b", "c")
+    assert grown.node_ids == (*survivors, "c")
     assert p.Cause.parse(grown.cause).kind is p.CauseKind.NEWCOMER
     assert grown.restart_count == 0
 
@@ -222,7 +224,7 @@ def test_a_join_after_a_suspicion_does_not_wait_for_the_left_out_nodes_lease(age
     shrunk = held_by_all([a, b], 1)
     assert set(shrunk.node_ids) == {"a", "b"}  # round 0's order: by join revision
     (d,) = agents("later", "d", settle_max_s=120.0, max_nodes=4)
-    grown = held_by_all([a, b, d], 2, timeout_s=20)
+    grown = held_by_all([a, b, d], 2, timeout_s=60)  # well below --settle-max
     assert grown.node_ids == (*shrunk.node_ids, "d")
     assert p.Cause.parse(grown.cause).kind is p.CauseKind.NEWCOMER
     assert c.rdzv.mirror.get(p.node_key(c.rdzv.prefix, "c")) is not None  # still live
