@@ -133,6 +133,11 @@ def test_an_incomplete_save_is_never_published_skipped_and_pruned_later(group, t
     assert unrecorded.restore(objects(seed=1)) == 10
     (line,) = skips(caplog)
     assert "step-00000020" in line and "no MANIFEST.json" in line
+    caplog.clear()  # with the record (step 10), step 20 is not a candidate: said once
+    recorded = Checkpointer(tmp_path, sharded=True, latest_store=store)
+    assert recorded.restore(objects(seed=1)) == 10
+    ignored = [r.getMessage() for r in caplog.records if "ignoring checkpoint" in r.getMessage()]
+    assert len(ignored) == 1 and "step-00000020" in ignored[0] and "never published" in ignored[0]
     ckpt.save(30, objs)
     assert steps_on_disk(tmp_path) == ["step-00000010", "step-00000030"]
 

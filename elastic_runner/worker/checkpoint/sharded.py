@@ -243,7 +243,12 @@ class ShardedFormat:
         if record is not None and names_no_checkpoint(record):
             return record, []
         below = None if record is None else int(record["step"])
-        older = [s for s in owner._storage.steps() if below is None or s < below]
+        steps = owner._storage.steps()
+        for newer in (s for s in steps if below is not None and s > below):
+            log.warning("ignoring checkpoint %s: newer than the recorded step %d and never "
+                        "published (a save cut short, or a writer whose round was over)",
+                        owner._storage.url(owner._dir(newer)), below)
+        older = [s for s in steps if below is None or s < below]
         return record, ([] if below is None else [below]) + older
 
     def _verify(self, step: int, expect_sha: str | None) -> dict[str, Any] | None:
