@@ -34,15 +34,31 @@ def leave_process_group(logger: logging.Logger) -> None:
     it is in; a no-op when there is none. NCCL: abort, then destroy what is left."""
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available():
         return
-    if "nccl" in _backend_name(dist, logger):
-        _abort(dist, logger)
-    if dist.is_initialized():  # gloo; or an abort that failed half way
-        try:
-            dist.destroy_process_group()
-        except _LEAVE_ERRORS as error:
-            logger.debug("leaving the broken process group: %s", error)
+    if dist.is_initialized():
+        if "nccl" in _backend_name(dist, logger):
+            _abort(dist, logger)
+        if dist.is_initialized():  # gloo; or an abort that failed half way
+            try:
+                dist.destroy_process_group()
+            except _LEAVE_ERRORS as error:
+                logger.debug("leaving the broken process group: %s", error)
+    if not dist.is_initialized():
+        _forget_group_names(dist)
+
+
+def _forget_group_names(dist) -> None:
+    """The next default group gets the name every fresh process gives its first one.
+
+    distributed_c10d._process_group_name names the default group after
+    `_world.group_count`, and that name prefixes every key its ranks exchange in the
+    store. destroy_process_group() sets the count back to 0, but an
+    init_process_group() that failed (a member never came) has already counted, and a
+    destroy that failed half way never reset it: the next group of this process then
+    waits for keys a freshly started peer never writes (seen: rounds failing one after
+    another with "wait timeout ... keys: /default_pg/3//cpu//0/1")."""
+    dist.distributed_c10d._world.group_count = 0
 
 
 def _backend_name(dist, logger: logging.Logger) -> str:

@@ -344,29 +344,33 @@ def test_a_standby_newcomer_is_ready_before_the_pause_and_joins_with_its_model_b
 def test_a_round_whose_group_never_forms_is_paused_in_and_the_next_one_taken(cluster_of):
     """A member of the new round never comes (reclaimed after the round closed): the
     others give up on that round after the formation timeout, pause in it with a
-    collective error (evidence for the agent) and take the next assignment, in place."""
-    cluster = cluster_of(2)
-    first, second = cluster.nodes
+    collective error (evidence for the agent) and take the next assignment, in place.
+    That next round also has a freshly started worker (a node that took the restart
+    path): the survivors' failed attempt must not change how they name the new group,
+    or they and the fresh worker wait for each other's keys until they time out."""
+    cluster = cluster_of(3)
+    first, second, fresh = cluster.nodes
     port = free_port()
-    for rank, node in enumerate(cluster.nodes):
+    for rank, node in enumerate((first, second)):
         node.start(cluster, rank, 2, port, 0, "--hold-at", str(HOLD))
-    cluster.wait_held(cluster.nodes)
-    for node in cluster.nodes:
+    cluster.wait_held([first, second])
+    for node in (first, second):
         node.channel.ask_pause(0)
     cluster.go.touch()
-    cluster.wait_phase(cluster.nodes, 0, PAUSED)
+    cluster.wait_phase([first, second], 0, PAUSED)
     port = free_port()
     assign(first, 1, 0, 3, port)  # rank 2 of round 1 never starts
     assign(second, 1, 1, 3, port)
-    stuck = cluster.wait_phase(cluster.nodes, 1, PAUSED)
+    stuck = cluster.wait_phase([first, second], 1, PAUSED)
     assert all(s.reason.startswith(f"{COLLECTIVE_ERROR}: round 1 did not form") for s in stuck)
     assert [s.step for s in stuck] == [HOLD + 1, HOLD + 1]  # nothing trained meanwhile
     port = free_port()
-    assign(first, 2, 0, 2, port)
-    assign(second, 2, 1, 2, port)
-    assert cluster.exit_codes(cluster.nodes) == [0, 0]
-    assert_consistent(cluster, {0: 2, 2: 2})
-    assert pids_by_round(cluster)[2] == {first.proc.pid, second.proc.pid}
+    assign(first, 2, 0, 3, port)
+    assign(second, 2, 1, 3, port)
+    fresh.start(cluster, 2, 3, port, 2)
+    assert cluster.exit_codes(cluster.nodes) == [0, 0, 0]
+    assert_consistent(cluster, {0: 2, 2: 3})
+    assert pids_by_round(cluster)[2] == {first.proc.pid, second.proc.pid, fresh.proc.pid}
 
 
 def test_a_script_without_a_sampler_pauses_at_its_own_commit(cluster_of):

@@ -185,3 +185,17 @@ def test_nccl_errors_leave_the_process_alive_unless_the_user_chose_otherwise(
     survive_nccl_errors()
     import os
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == kept
+
+
+def test_a_failed_formation_does_not_rename_the_next_group():
+    """A formation that times out has already counted a default group (torch names it
+    after that count, and the name prefixes every store key): after leaving, this
+    process names its next group as a fresh process does, so they find each other."""
+    from elastic_runner.etcd.server import free_port
+
+    with pytest.raises(dist.DistError):  # rank 1 of 2, nobody listening
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=1,
+                                world_size=2, timeout=datetime.timedelta(seconds=1))
+    assert dist.distributed_c10d._world.group_count == 1  # torch counted it
+    leave_process_group(LOG)
+    assert dist.distributed_c10d._world.group_count == 0
