@@ -185,6 +185,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--lease-ttl", type=int, default=5)
     ap.add_argument("--settle", type=float, default=2.0)
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep the agents' logs and steps (the folder is printed) for a post-mortem")
     args = ap.parse_args()
     from elastic_runner.etcd.server import EmbeddedEtcd
 
@@ -256,7 +258,10 @@ def main() -> None:
     path = c.save("spot_replay", {"args": {k: str(v) for k, v in vars(args).items()}, "env": info,
                                   "factor": factor, "schedule_real_s": mapped,
                                   "skipped_leading_s": skip, "results": results}, text)
-    shutil.rmtree(base, ignore_errors=True)
+    if args.keep_logs:
+        print(f"agents' logs kept in {base}")
+    else:
+        shutil.rmtree(base, ignore_errors=True)
     print(f"wrote {path} and {c.LATEST / 'spot_replay.json'}")
 
 
