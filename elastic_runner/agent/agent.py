@@ -156,11 +156,11 @@ class Agent:
                  self._rdzv_config.node_id, self._rdzv_config.run_id,
                  self._rdzv_config.min_nodes, self._rdzv_config.max_nodes,
                  self._config.workers.nproc)
-        self._standby = self._warm_start.begin()
         try:
+            self._standby = self._warm_start.begin()
             self.rendezvous.register()
         except BaseException:  # a duplicate node id, another job's spec: leave no scratch
-            self.close()
+            self.close()  # (and no standby workers)
             raise
         self.events.emit("joined", addr=self._rdzv_config.node_addr,
                          nproc=self._config.workers.nproc)
