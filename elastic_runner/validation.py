@@ -19,7 +19,7 @@ from typing import Callable
 
 from elastic_runner.config import DEFAULT_SETTLE_MAX_S
 from elastic_runner.errors import ConfigError
-from elastic_runner.rendezvous.protocol import id_problem
+from elastic_runner.ids import id_problem
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")

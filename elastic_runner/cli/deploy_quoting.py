@@ -27,7 +27,7 @@ import shlex
 from typing import Iterable
 
 from elastic_runner.errors import ConfigError
-from elastic_runner.rendezvous.protocol import id_problem
+from elastic_runner.ids import id_problem
 
 # Kubernetes object names and label values: a DNS-1123 label (the strictest of its rules).
 DNS_LABEL = "[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"

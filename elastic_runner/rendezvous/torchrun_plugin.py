@@ -53,6 +53,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
+from elastic_runner.ids import id_problem
 from elastic_runner.config import DEFAULT_ETCD_TIMEOUT_S, EtcdConfig, RendezvousConfig
 from elastic_runner.errors import (
     ConfigError, ElasticRunError, EtcdError, LeaseLost, RendezvousTimeout, RunFinished,
@@ -277,7 +278,7 @@ def rendezvous_config(params: RendezvousParameters) -> RendezvousConfig:
     """torchrun's parameters, checked by the launcher's rules (RdzvConfError if not)."""
     node_id = str(params.get("node_id") or _default_node_id())
     for what, value in (("--rdzv-id", params.run_id), ("--rdzv-conf node_id", node_id)):
-        problem = p.id_problem(value)
+        problem = id_problem(value)
         if problem:
             raise RdzvConfError(f"{what} {problem}")
     with rdzv_conf_errors():

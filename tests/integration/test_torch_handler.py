@@ -274,7 +274,7 @@ def test_ids_follow_the_cli_grammar(run_id, node_id, phrase):
 
 
 def test_default_node_id_is_a_valid_id():
-    from elastic_runner.rendezvous.protocol import id_problem
+    from elastic_runner.ids import id_problem
 
     config = rendezvous_config(RendezvousParameters("etcd-v3", "h:1", "job", 1, 1))
     assert id_problem(config.node_id) is None

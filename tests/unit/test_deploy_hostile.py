@@ -27,7 +27,7 @@ from hypothesis import given, settings, strategies as st
 
 from elastic_runner.cli import deploy, deploy_quoting, flags, main as cli
 from elastic_runner.errors import ConfigError
-from elastic_runner.rendezvous.protocol import id_problem
+from elastic_runner.ids import id_problem
 
 MARKER = "PWNED"
 HOSTILE = [
@@ -368,7 +368,7 @@ def test_deploy_imports_no_grpc_or_etcd_client_of_its_own():
     allowed = {"argparse", "math", "re", "shlex", "string", "importlib", "dataclasses", "pathlib",
                "typing", "yaml",
                "__future__", "elastic_runner.cli.flags", "elastic_runner.cli.deploy_quoting",
-               "elastic_runner.errors", "elastic_runner.rendezvous.protocol"}
+               "elastic_runner.errors", "elastic_runner.ids", "elastic_runner.rendezvous.protocol"}
     for module in (deploy, deploy_quoting):
         tree = ast.parse(Path(module.__file__).read_text())
         names = {n.module if isinstance(n, ast.ImportFrom) else a.name

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic_runner.rendezvous import decisions as d
+from elastic_runner import ids
 from elastic_runner.rendezvous import protocol as p
 
 PROPS = settings(max_examples=200, deadline=None)
@@ -384,10 +385,10 @@ def test_the_key_layout_parses_only_its_own_keys():
 
 
 @PROPS
-@given(st.from_regex(p.ID_GRAMMAR, fullmatch=True), st.from_regex(p.ID_GRAMMAR, fullmatch=True))
+@given(st.from_regex(ids.ID_GRAMMAR, fullmatch=True), st.from_regex(ids.ID_GRAMMAR, fullmatch=True))
 def test_no_valid_run_id_has_its_keys_under_another_runs_prefix(a, b):
     """Ids cannot contain '/', so one run's prefix never holds another run's keys."""
-    if a != b and p.id_problem(a) is None and p.id_problem(b) is None:
+    if a != b and ids.id_problem(a) is None and ids.id_problem(b) is None:
         assert not p.node_key(p.run_prefix(a), "n").startswith(p.run_prefix(b))
 
 

@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic_runner.rendezvous import decisions as d
+from elastic_runner import ids
 from elastic_runner.rendezvous import protocol as p
 
 PROPS = settings(max_examples=200, deadline=None)
-NODE_IDS = st.from_regex(p.ID_GRAMMAR, fullmatch=True).filter(lambda i: p.id_problem(i) is None)
+NODE_IDS = st.from_regex(ids.ID_GRAMMAR, fullmatch=True).filter(lambda i: ids.id_problem(i) is None)
 TIMES = st.floats(-1e6, 1e6, allow_nan=False)
 K = p.CauseKind
 

@@ -7,7 +7,7 @@ import pytest
 from elastic_runner.cli.flags import parse_args
 from elastic_runner.cli.run import build_config
 from elastic_runner.errors import ConfigError
-from elastic_runner.rendezvous.protocol import id_problem
+from elastic_runner.ids import id_problem
 from elastic_runner.validation import (
     check_log_dir, check_nproc, parse_bool, sanitize_id, worker_capacity,
 )
