@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import Job
+from tests.e2e.harness import Job, read_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -67,15 +67,8 @@ def fsdp(etcd, tmp_path):
 
 
 def rows(job: Job) -> list[dict]:
-    if not job.trace.exists():
-        return []
-    out = []
-    for line in job.trace.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut by a SIGKILL mid-write
-    return out
+    """The trace so far; a line cut by a SIGKILL mid-write is skipped."""
+    return read_jsonl(job.trace)
 
 
 def wait_world(job: Job, world: int, after_round: int = -1, steps: int = 3) -> int:

@@ -12,13 +12,12 @@ step in flight is re-done on a loss, none on a notice or a join.
 from __future__ import annotations
 
 import collections
-import json
 import signal
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import Job
+from tests.e2e.harness import Job, read_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -40,15 +39,8 @@ def inproc(etcd, tmp_path):
 
 
 def rows(job: Job) -> list[dict]:
-    if not job.trace.exists():
-        return []
-    out = []
-    for line in job.trace.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut by a SIGKILL mid-write
-    return out
+    """The trace so far; a line cut by a SIGKILL mid-write is skipped."""
+    return read_jsonl(job.trace)
 
 
 def wait_world(job: Job, world: int, steps: int = 3, after_round: int = -1,
