@@ -135,6 +135,18 @@ class Cluster:
             return None
         return self.wait(reached, f"{phase} in round {round_number}", expect_exits)
 
+    def start_and_pause(self, nodes: list[Node], *extra: str) -> list:
+        """Start `nodes` as round 0 (their order is their rank), hold them at step HOLD,
+        ask each to pause and release them: their PAUSED reports."""
+        port = free_port()
+        for rank, node in enumerate(nodes):
+            node.start(self, rank, len(nodes), port, 0, "--hold-at", str(HOLD), *extra)
+        self.wait_held(nodes)
+        for node in nodes:
+            node.channel.ask_pause(0)
+        self.go.touch()
+        return self.wait_phase(nodes, 0, PAUSED)
+
     def exit_codes(self, nodes: list[Node]) -> list[int]:
         self.wait(lambda: all(n.proc.poll() is not None for n in nodes), "every worker's exit",
                   expect_exits=tuple(nodes))
@@ -201,15 +213,8 @@ def pids_by_round(cluster: Cluster) -> dict[int, set[int]]:
 # ---- the scenarios ----------------------------------------------------------------
 def test_asked_pause_shrinks_to_two_workers_that_keep_their_processes(cluster_of, tmp_path):
     cluster = cluster_of(3)
-    port = free_port()
-    for rank, node in enumerate(cluster.nodes):
-        node.start(cluster, rank, 3, port, 0, "--hold-at", str(HOLD),
-                   "--ckpt", str(tmp_path / "ckpt"), "--every", "7")
-    cluster.wait_held(cluster.nodes)
-    for node in cluster.nodes:
-        node.channel.ask_pause(0)
-    cluster.go.touch()
-    paused = cluster.wait_phase(cluster.nodes, 0, PAUSED)
+    paused = cluster.start_and_pause(cluster.nodes, "--ckpt", str(tmp_path / "ckpt"),
+                                     "--every", "7")
     # The pause read at step HOLD's boundary is agreed at the next one (pipelined).
     assert [(s.step, s.reason) for s in paused] == [(HOLD + 1, ASKED)] * 3
     leaver, first, second = cluster.nodes
@@ -255,15 +260,8 @@ def test_a_killed_peer_pauses_the_survivors_who_finish_at_two(cluster_of):
 
 def test_a_newcomer_receives_the_state_from_one_survivor(cluster_of):
     cluster = cluster_of(3)
-    port = free_port()
     first, second, newcomer = cluster.nodes
-    for rank, node in enumerate((first, second)):
-        node.start(cluster, rank, 2, port, 0, "--hold-at", str(HOLD))
-    cluster.wait_held([first, second])
-    for node in (first, second):
-        node.channel.ask_pause(0)
-    cluster.go.touch()
-    paused = cluster.wait_phase([first, second], 0, PAUSED)
+    paused = cluster.start_and_pause([first, second])
     assert [s.step for s in paused] == [HOLD + 1, HOLD + 1]
     port = free_port()
     assign(first, 1, 0, 3, port)
@@ -350,14 +348,7 @@ def test_a_round_whose_group_never_forms_is_paused_in_and_the_next_one_taken(clu
     or they and the fresh worker wait for each other's keys until they time out."""
     cluster = cluster_of(3)
     first, second, fresh = cluster.nodes
-    port = free_port()
-    for rank, node in enumerate((first, second)):
-        node.start(cluster, rank, 2, port, 0, "--hold-at", str(HOLD))
-    cluster.wait_held([first, second])
-    for node in (first, second):
-        node.channel.ask_pause(0)
-    cluster.go.touch()
-    cluster.wait_phase([first, second], 0, PAUSED)
+    cluster.start_and_pause([first, second])
     port = free_port()
     assign(first, 1, 0, 3, port)  # rank 2 of round 1 never starts
     assign(second, 1, 1, 3, port)
@@ -378,14 +369,7 @@ def test_a_script_without_a_sampler_pauses_at_its_own_commit(cluster_of):
     asked pause is agreed there, and the workers re-form in place."""
     cluster = cluster_of(2)
     first, second = cluster.nodes
-    port = free_port()
-    for rank, node in enumerate(cluster.nodes):
-        node.start(cluster, rank, 2, port, 0, "--hold-at", str(HOLD), "--no-sampler")
-    cluster.wait_held(cluster.nodes)
-    for node in cluster.nodes:
-        node.channel.ask_pause(0)
-    cluster.go.touch()
-    paused = cluster.wait_phase(cluster.nodes, 0, PAUSED)
+    paused = cluster.start_and_pause(cluster.nodes, "--no-sampler")
     assert [(s.step, s.reason) for s in paused] == [(HOLD + 1, ASKED)] * 2
     port = free_port()
     assign(first, 1, 1, 2, port)  # ranks swap: each trains the other's share from now
