@@ -3,8 +3,9 @@
 An agent here is the real EtcdRendezvous (its lease, watch and mirror) running the
 agent's loop without workers: register, next_plan, then change_reason on every
 watch event or every 0.1 s. Spread over processes, each process's agents share
-one gRPC channel; CPU time is read from /proc and etcd's own request counters
-from its /metrics page.
+one gRPC channel; CPU time is read from /proc, and etcd's own request and
+watch-event counters from its /metrics page: counted where they are served, they
+cover threads and processes alike and need no hook in the engine.
 """
 
 from __future__ import annotations
@@ -18,14 +19,27 @@ import urllib.request
 from pathlib import Path
 
 
-def metrics(endpoint: str) -> dict[str, float]:
+# etcd 3.4/3.5 count each event as its watch stream sends it to the watcher (v3rpc
+# watch.go: mvcc.ReportEventReceived before gRPCStream.Send), once per watcher: one put
+# seen by 2 watchers adds 2, and a watcher's catch-up from a past revision adds its
+# events too. It grows as N x N when every agent watches what every agent writes,
+# which the request counts do not show.
+WATCH_EVENTS = "etcd_debugging_mvcc_events_total"
+
+
+def scrape(endpoint: str) -> tuple[dict[str, float], float | None]:
+    """(requests by gRPC method, watch events sent) from one read of /metrics, so
+    both are taken at the same instant; events None where this etcd lacks the counter."""
     text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
+    requests: dict[str, float] = {}
+    events = None
     for line in text.splitlines():
         if line.startswith("grpc_server_msg_received_total{"):
             method = re.search(r'grpc_method="([^"]+)"', line).group(1)
-            out[method] = out.get(method, 0) + float(line.rsplit(" ", 1)[1])
-    return out
+            requests[method] = requests.get(method, 0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith(WATCH_EVENTS + " "):
+            events = float(line.rsplit(" ", 1)[1])
+    return requests, events
 
 
 def delta(a: dict, b: dict) -> dict:
@@ -220,19 +234,26 @@ class Meter:
     def __init__(self, endpoint: str, agent_pids: list[int], etcd_pid: int | None):
         self.endpoint, self.agent_pids, self.etcd_pid = endpoint, agent_pids, etcd_pid
 
-    def read(self) -> tuple[float, dict, float, float]:
-        return (time.time(), metrics(self.endpoint), cpu_seconds(self.agent_pids),
-                cpu_seconds([self.etcd_pid] if self.etcd_pid else []))
+    def read(self) -> tuple[float, dict, float, float, float | None]:
+        requests, events = scrape(self.endpoint)
+        return (time.time(), requests, cpu_seconds(self.agent_pids),
+                cpu_seconds([self.etcd_pid] if self.etcd_pid else []), events)
 
     @staticmethod
     def phase(name: str, before, after, n: int, rounds: int) -> dict:
         requests = delta(before[1], after[1])
+        per_round = max(rounds, 1)
+        events = None if before[4] is None or after[4] is None else int(after[4] - before[4])
         return {f"{name}_requests": requests,
                 f"{name}_requests_total": sum(requests.values()),
-                f"{name}_requests_per_agent_round": sum(requests.values()) / n / max(rounds, 1),
+                f"{name}_requests_per_agent_round": sum(requests.values()) / n / per_round,
                 f"{name}_rounds": rounds,
                 f"{name}_agent_cpu_ms_per_agent": 1000 * (after[2] - before[2]) / n,
-                f"{name}_etcd_cpu_s": after[3] - before[3]}
+                f"{name}_etcd_cpu_s": after[3] - before[3],
+                f"{name}_watch_events": events,
+                f"{name}_watch_events_per_round": None if events is None else events / per_round,
+                f"{name}_watch_events_per_agent_round":
+                    None if events is None else events / n / per_round}
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -248,10 +269,20 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def last_registration(endpoint: str, run_id: str) -> float:
-    from elastic_runner.config import EtcdConfig
-    from elastic_runner.etcd.client import EtcdClient
     from elastic_runner.rendezvous import protocol as p
-    client = EtcdClient(EtcdConfig.build((endpoint,), timeout_s=30.0))
-    kvs, _ = client.get_prefix(p.nodes_prefix(f"/elastic-runner/v1/{run_id}/"))
+    client = new_client(endpoint)
+    kvs, _ = client.get_prefix(p.nodes_prefix(p.run_prefix(run_id)))
     client.close()
     return max((json.loads(kv.value).get("registered_at", 0.0) for kv in kvs), default=0.0)
+
+
+def plan_bytes(endpoint: str, run_id: str, number: int) -> int | None:
+    """Size of round `number`'s plan as stored: every agent receives it through its
+    watch each round, so N x this many bytes is what handing out one plan costs etcd."""
+    from elastic_runner.rendezvous import protocol as p
+    client = new_client(endpoint)
+    try:
+        kv = client.get(p.plan_key(p.run_prefix(run_id), number))
+    finally:
+        client.close()
+    return len(kv.value) if kv is not None else None

@@ -12,12 +12,20 @@ agent leaves (lease revoked, as on SIGTERM) and later one joins: time until all 
 the next agreed plan. Per phase: rounds it took, CPU per agent (the agents'
 processes' CPU from /proc divided by N), etcd's CPU, and etcd requests = delta of
 etcd's own Prometheus counter grpc_server_msg_received_total (Range, Txn, Put,
-LeaseGrant, LeaseKeepAlive, watch creates ...), per agent per round.
+LeaseGrant, LeaseKeepAlive, watch creates ...), per agent per round; watch events =
+delta of etcd_debugging_mvcc_events_total, the events etcd's watch streams sent, one
+per watcher per event (a put that N agents watch counts N), per round and per agent
+per round: a protocol whose every agent writes a key each round costs N x N here even
+when its requests stay flat. Plan bytes = size of the agreed round's plan key as
+stored in etcd (every agent receives it through its watch).
 
 All N agents share this machine's cores, so elastic-run's wall times here are about
 N x (CPU per agent) / cores; at N=1024 on 2 cores the lease keep-alives of agents
-starved of CPU took 20-30 s, so that size needs --lease-ttl 120 (a leave revokes its
-lease, so the TTL does not enter the figures).
+starved of CPU took 20-30 s. Hence, unless --lease-ttl is given, each size gets its
+own TTL: the agent's default 5 s below N=256, 120 s from there (a leave revokes its
+lease, so the TTL only enters the figures as keep-alives, one per agent per TTL/3).
+For the same reason elastic-run's wait for an agreement is at least 0.4 s x N
+(--timeout still bounds torch). One invocation runs all four sizes by default.
 
 torch: each simulated agent is a DynamicRendezvousHandler (torch defaults:
 last call 30 s, close 30 s, keep-alive 5 s x 3) on a C10dRendezvousBackend with its
@@ -28,13 +36,16 @@ workers fail; a join is a newcomer whose presence the members notice by polling
 num_nodes_waiting() every 0.1 s (torchrun's monitor interval). Requests =
 backend get_state/set_state calls (each one reads or writes the whole state).
 
-    .venv/bin/python bench/rendezvous_scale.py --processes 8                # N = 8, 64, 256
-    .venv/bin/python bench/rendezvous_scale.py --processes 8 --big --lease-ttl 120
-    .venv/bin/python bench/rendezvous_scale.py --sizes 8,64 --no-torch
+    .venv/bin/python bench/rendezvous_scale.py --sizes 8,64,256,1024 --processes 8
+    .venv/bin/python bench/rendezvous_scale.py --sizes 8,64 --no-torch --out /tmp/rs.json
+
+Without --out the results go to bench/results/ and bench/latest/rendezvous_scale.json;
+with it, only to that file (trial runs leave the published figures alone).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -45,60 +56,68 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c  # noqa: E402
 from rdzv_agents import (  # noqa: E402
-    Meter, ProcessGroupAgents, SimAgent, delta, last_registration, metrics, wait_agreed,
+    Meter, ProcessGroupAgents, SimAgent, delta, last_registration, plan_bytes, wait_agreed,
 )
 
 os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no per-round MASTER_ADDR servers
 
 
 # ---- elastic-run -----------------------------------------------------------------
+AUTO_TTL_SMALL_S, AUTO_TTL_LARGE_S, AUTO_TTL_FROM_N = 5, 120, 256
+ELASTIC_WAIT_S_PER_AGENT = 0.4
+
+
+def size_args(args, n: int) -> argparse.Namespace:
+    """The options one size runs with: a starved agent must not lose its lease, and
+    the wait must outlast N agents' CPU on this machine's cores."""
+    auto = AUTO_TTL_SMALL_S if n < AUTO_TTL_FROM_N else AUTO_TTL_LARGE_S
+    return argparse.Namespace(**{**vars(args), "lease_ttl": args.lease_ttl or auto,
+                                 "timeout": max(args.timeout, ELASTIC_WAIT_S_PER_AGENT * n)})
+
+
+def phase(res: dict, name: str, meter: Meter, before, got, after_round: int, n: int,
+          endpoint: str, run_id: str) -> None:
+    """One phase's counts, taken before the plan is read so that read is not counted."""
+    rounds = got[1] - after_round if got else 0
+    res.update(meter.phase(name, before, meter.read(), n, rounds))
+    res[f"{name}_s"] = got[0] - before[0] if got else None
+    key = "plan_bytes" if name == "start" else f"{name}_plan_bytes"
+    res[key] = plan_bytes(endpoint, run_id, got[1]) if got else None
+
+
 def elastic_size(endpoint: str, n: int, churn: bool, args) -> dict:
+    """Threads in this process, a client each; its CPU stands for the agents'."""
     run_id = f"scale-{n}-{os.getpid()}-{int(time.time())}"
     t_build = time.time()
     agents = [SimAgent(endpoint, run_id, f"s{i:04d}", n, args.settle, args.lease_ttl)
               for i in range(n)]
-    build_s = time.time() - t_build
+    res = {"n": n, "clients_connect_s": time.time() - t_build}
+    meter = Meter(endpoint, [os.getpid()], args.etcd_pid)
+    m0 = meter.read()
     go = time.time() + 0.5
-    m0 = metrics(endpoint)
-    threads = [threading.Thread(target=a.run, args=(go, True), daemon=True) for a in agents]
-    for t in threads:
-        t.start()
+    for a in agents:
+        threading.Thread(target=a.run, args=(go, True), daemon=True).start()
     got = wait_agreed(agents, n, -1, args.timeout)
-    m1 = metrics(endpoint)
-    res = {"n": n, "clients_connect_s": build_s,
-           "start_s": got[0] - go if got else None,
-           "start_requests": delta(m0, m1),
-           "errors": [a.error for a in agents if a.error][:3]}
-    res["start_requests_total"] = sum(res["start_requests"].values())
+    phase(res, "start", meter, (go, *m0[1:]), got, -1, n, endpoint, run_id)
     res["start_requests_per_agent"] = res["start_requests_total"] / n
     if got and churn:
         time.sleep(1.0)
-        r0 = got[1]
         leaver = agents[n // 2]
-        m2 = metrics(endpoint)
-        t_leave = time.time()
+        m2 = meter.read()
         leaver.close(leave=True)
         rest = [a for a in agents if a is not leaver]
-        got2 = wait_agreed(rest, n - 1, r0, args.timeout)
-        m3 = metrics(endpoint)
-        res["leave_s"] = got2[0] - t_leave if got2 else None
-        res["leave_requests"] = delta(m2, m3)
-        res["leave_requests_total"] = sum(res["leave_requests"].values())
+        got2 = wait_agreed(rest, n - 1, got[1], args.timeout)
+        phase(res, "leave", meter, m2, got2, got[1], n - 1, endpoint, run_id)
         if got2:
             time.sleep(1.0)
             newcomer = SimAgent(endpoint, run_id, "new0", n, args.settle, args.lease_ttl)
-            m4 = metrics(endpoint)
-            t_join = time.time()
-            th = threading.Thread(target=newcomer.run, args=(t_join, True), daemon=True)
-            th.start()
+            m4 = meter.read()
+            threading.Thread(target=newcomer.run, args=(m4[0], True), daemon=True).start()
             rest.append(newcomer)
             agents.append(newcomer)
             got3 = wait_agreed(rest, n, got2[1], args.timeout)
-            m5 = metrics(endpoint)
-            res["join_s"] = got3[0] - t_join if got3 else None
-            res["join_requests"] = delta(m4, m5)
-            res["join_requests_total"] = sum(res["join_requests"].values())
-        res["errors"] = [a.error for a in agents if a.error][:3]
+            phase(res, "join", meter, m4, got3, got2[1], n, endpoint, run_id)
+    res["errors"] = [a.error for a in agents if a.error][:3]
     for a in agents:
         a.close(leave=False)
     for a in agents:
@@ -118,8 +137,7 @@ def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
     try:
         m0 = meter.read()
         got = group.wait_agreed(group.names, n, -1, args.timeout + (group.go - time.time()))
-        res.update(meter.phase("start", m0, meter.read(), n, got[1] + 1 if got else 0))
-        res["start_s"] = got[0] - group.go if got else None
+        phase(res, "start", meter, (group.go, *m0[1:]), got, -1, n, endpoint, run_id)
         res["start_requests_per_agent"] = res["start_requests_total"] / n
         res["start_last_registration_s"] = last_registration(endpoint, run_id) - group.go
         if got and churn:
@@ -129,9 +147,7 @@ def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
             m2 = meter.read()
             group.leave(leaver)
             got2 = group.wait_agreed(rest, n - 1, got[1], args.timeout)
-            res.update(meter.phase("leave", m2, meter.read(), n - 1,
-                                   got2[1] - got[1] if got2 else 0))
-            res["leave_s"] = got2[0] - m2[0] if got2 else None
+            phase(res, "leave", meter, m2, got2, got[1], n - 1, endpoint, run_id)
             if got2:
                 time.sleep(2.0)
                 newcomer = SimAgent(endpoint, run_id, "new0", n, args.settle, args.lease_ttl)
@@ -139,9 +155,7 @@ def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
                 m4 = meter.read()
                 threading.Thread(target=newcomer.run, args=(m4[0], True), daemon=True).start()
                 got3 = group.wait_agreed(rest + ["new0"], n, got2[1], args.timeout)
-                res.update(meter.phase("join", m4, meter.read(), n,
-                                       got3[1] - got2[1] if got3 else 0))
-                res["join_s"] = got3[0] - m4[0] if got3 else None
+                phase(res, "join", meter, m4, got3, got2[1], n, endpoint, run_id)
                 newcomer.close(leave=False)
     finally:
         group.drain()
@@ -283,31 +297,40 @@ def torch_size(n: int, churn: bool, args) -> dict:
     return res
 
 
-def main() -> None:
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="8,64,256")
-    ap.add_argument("--big", action="store_true", help="also N=1024")
+    ap.add_argument("--sizes", default="8,64,256,1024")
+    ap.add_argument("--big", action="store_true", help="also N=1024 (when --sizes lacks it)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--torch-max", type=int, default=256, help="largest N tried with torch")
-    ap.add_argument("--timeout", type=float, default=150)
+    ap.add_argument("--timeout", type=float, default=150,
+                    help="torch's wait; elastic-run's is at least "
+                         f"{ELASTIC_WAIT_S_PER_AGENT} s x N")
     ap.add_argument("--settle", type=float, default=1.0)
-    ap.add_argument("--lease-ttl", type=int, default=5)
-    ap.add_argument("--processes", type=int, default=0,
+    ap.add_argument("--lease-ttl", type=int, default=None,
+                    help=f"for every size (default: {AUTO_TTL_SMALL_S} s below N={AUTO_TTL_FROM_N}, "
+                         f"{AUTO_TTL_LARGE_S} s from there)")
+    ap.add_argument("--processes", type=int, default=8,
                     help="spread elastic-run's simulated agents over this many processes "
-                         "(0: threads in this process); needed for N >= 256 on small machines")
-    args = ap.parse_args()
+                         "(0: threads in this process, a client each; too many channels for N >= 256)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write the JSON here only, not to bench/results and bench/latest")
+    return ap.parse_args()
+
+
+def run_sizes(args, sizes: list[int]) -> tuple[dict, dict, list]:
     from elastic_runner.etcd.server import EmbeddedEtcd
 
-    sizes = [int(s) for s in args.sizes.split(",")] + ([1024] if args.big else [])
-    info = c.env_info()
-    started = time.time()
     er_res, tr_res, servers = {}, {}, []
     with EmbeddedEtcd() as etcd:
         args.etcd_pid = etcd.process.pid
         for n in sizes:
-            print(f"elastic-run N={n} ...", flush=True)
+            one = size_args(args, n)
+            print(f"elastic-run N={n} (lease TTL {one.lease_ttl} s, wait {one.timeout:.0f} s) ...",
+                  flush=True)
             measure = elastic_size_processes if args.processes else elastic_size
-            er_res[n] = measure(etcd.endpoint, n, True, args)
+            er_res[n] = {**measure(etcd.endpoint, n, True, one),
+                         "lease_ttl": one.lease_ttl, "timeout_s": one.timeout}
             print(f"  {er_res[n]}", flush=True)
     if not args.no_torch:
         for n in sizes:
@@ -318,7 +341,14 @@ def main() -> None:
             tr_res[n] = torch_size(n, True, args)
             servers.append(tr_res[n].pop("_server"))
             print(f"  {tr_res[n]}", flush=True)
+    return er_res, tr_res, servers
 
+
+def _num(value, spec: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+def table_rows(sizes: list[int], er_res: dict, tr_res: dict) -> list[list[str]]:
     rows = []
     for event in ("start", "leave", "join"):
         for n in sizes:
@@ -326,49 +356,81 @@ def main() -> None:
             if f"{event}_s" not in e and event != "start":
                 continue
             r = c.ratio(e.get(f"{event}_s"), t.get(f"{event}_s"))
-            rounds = e.get(f"{event}_rounds")
-            cpu = e.get(f"{event}_agent_cpu_ms_per_agent")
             per_round = e.get(f"{event}_requests_per_agent_round")
-            etcd_cpu = e.get(f"{event}_etcd_cpu_s")
+            events = e.get(f"{event}_watch_events_per_round")
             tr_total = t.get(f"{event}_requests_total")
             rows.append([
                 f"{event}, N={n}", c.fmt(e.get(f"{event}_s"), "s", 2),
-                str(rounds) if rounds is not None else "-",
-                f"{cpu:.0f} ms" if cpu is not None else "-",
-                f"{etcd_cpu:.2f} s" if etcd_cpu is not None else "-",
+                _num(e.get(f"{event}_rounds"), "d"),
+                _num(e.get(f"{event}_agent_cpu_ms_per_agent"), ".0f", " ms"),
+                _num(e.get(f"{event}_etcd_cpu_s"), ".2f", " s"),
                 f"{per_round:.1f}" if per_round is not None else
                 f"{e.get(f'{event}_requests_total', 0)} total",
+                "-" if events is None else
+                f"{events:,.0f} ({e[f'{event}_watch_events_per_agent_round']:.1f})",
+                _num(e.get("plan_bytes" if event == "start" else f"{event}_plan_bytes"), ",d"),
                 t.get("skipped") or (c.fmt(t.get(f"{event}_s"), "s", 2) if t else "n/a"),
                 f"{tr_total / n:.1f}" if tr_total else "n/a",
                 f"{r:.2g}" if r else "n/a"])
-    growth = ""
-    if len(sizes) >= 2:
-        a, b = sizes[0], sizes[-1]
-        ea, eb = er_res[a]["start_requests_total"], er_res[b]["start_requests_total"]
-        growth = (f"\netcd requests for the start round grow x{eb / max(ea, 1):.1f} for N x{b / a:.0f} "
-                  f"({ea / a:.1f} -> {eb / b:.1f} per agent)")
-        if a in tr_res and b in tr_res and "start_requests_total" in tr_res[b]:
-            ta, tb = tr_res[a]["start_requests_total"], tr_res[b]["start_requests_total"]
-            growth += (f"; torch backend state reads+writes grow x{tb / max(ta, 1):.1f} "
-                       f"({ta / a:.1f} -> {tb / b:.1f} per agent), state bytes moved "
-                       f"{tr_res[a]['start_requests'].get('bytes', 0) / 1e6:.2f} MB -> "
-                       f"{tr_res[b]['start_requests'].get('bytes', 0) / 1e6:.1f} MB")
+    return rows
+
+
+def growth_line(sizes: list[int], er_res: dict, tr_res: dict) -> str:
+    if len(sizes) < 2:
+        return ""
+    a, b = sizes[0], sizes[-1]
+    ea, eb = er_res[a]["start_requests_total"], er_res[b]["start_requests_total"]
+    growth = (f"\netcd requests for the start round grow x{eb / max(ea, 1):.1f} for N x{b / a:.0f} "
+              f"({ea / a:.1f} -> {eb / b:.1f} per agent)")
+    wa, wb = (er_res[x].get("start_watch_events_per_round") for x in (a, b))
+    if wa is not None and wb is not None:
+        growth += (f"; watch events per start round x{wb / max(wa, 1):.1f} "
+                   f"({wa / a:.1f} -> {wb / b:.1f} per agent)")
+    if a in tr_res and b in tr_res and "start_requests_total" in tr_res[b]:
+        ta, tb = tr_res[a]["start_requests_total"], tr_res[b]["start_requests_total"]
+        growth += (f"; torch backend state reads+writes grow x{tb / max(ta, 1):.1f} "
+                   f"({ta / a:.1f} -> {tb / b:.1f} per agent), state bytes moved "
+                   f"{tr_res[a]['start_requests'].get('bytes', 0) / 1e6:.2f} MB -> "
+                   f"{tr_res[b]['start_requests'].get('bytes', 0) / 1e6:.1f} MB")
+    return growth
+
+
+def report(args, sizes, er_res, tr_res, info, started) -> str:
     spread = (f"in {args.processes} processes" if args.processes else "in one process")
-    text = (f"rendezvous_scale: simulated agents as threads {spread}, loopback; "
-            f"elastic-run settle {args.settle}s, lease TTL {args.lease_ttl}s; torch defaults\n"
+    ttls = sorted({er_res[n]["lease_ttl"] for n in sizes})
+    ttl = (f"{ttls[0]}s" if len(ttls) == 1 else
+           "by N " + ", ".join(f"{n}: {er_res[n]['lease_ttl']}s" for n in sizes))
+    return (f"rendezvous_scale: simulated agents as threads {spread}, loopback; "
+            f"elastic-run settle {args.settle}s, lease TTL {ttl}; torch defaults\n"
             f"{info['date_utc']} UTC, {info['cores']} cores, torch {info['torch']}, etcd {info['etcd']}\n\n"
             + c.table(["event", "elastic-run (etcd)", "rounds", "CPU per agent", "etcd CPU",
-                       "etcd requests per agent per round", "torch c10d dynamic",
-                       "torch state reads+writes per agent", "ratio er/torch"], rows)
-            + growth
+                       "etcd requests per agent per round",
+                       "watch events per round (per agent)", "plan bytes", "torch c10d dynamic",
+                       "torch state reads+writes per agent", "ratio er/torch"],
+                      table_rows(sizes, er_res, tr_res))
+            + growth_line(sizes, er_res, tr_res)
             + "\nelastic-run's times are bounded by this machine: all N simulated agents share "
             f"{info['cores']} cores, so a round takes about N x (CPU per agent) / cores; an "
             "agent on its own machine spends the CPU per agent shown."
             + f"\nwall time {time.time() - started:.0f}s")
+
+
+def main() -> None:
+    args = parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes += [1024] if args.big and 1024 not in sizes else []
+    info = c.env_info()
+    started = time.time()
+    er_res, tr_res, servers = run_sizes(args, sizes)  # servers: torch's stores, kept to the end
+    text = report(args, sizes, er_res, tr_res, info, started)
     print("\n" + text)
-    path = c.save("rendezvous_scale", {"args": vars(args), "env": info, "elastic_run": er_res,
-                                       "torch": tr_res}, text)
-    print(f"wrote {path} and {c.LATEST / 'rendezvous_scale.json'}")
+    payload = {"args": vars(args), "env": info, "elastic_run": er_res, "torch": tr_res}
+    if args.out:
+        args.out.write_text(json.dumps({**payload, "table": text}, indent=2, default=str))
+        print(f"wrote {args.out}")
+    else:
+        path = c.save("rendezvous_scale", payload, text)
+        print(f"wrote {path} and {c.LATEST / 'rendezvous_scale.json'}")
     os._exit(0)  # daemon threads of hundreds of clients: do not wait for their teardown
 
 
