@@ -49,6 +49,7 @@ import enum
 import json
 import re
 from dataclasses import asdict, dataclass
+from itertools import accumulate
 
 OPEN, CLOSED, FINISHED, FAILED = "open", "closed", "finished", "failed"
 
@@ -119,6 +120,16 @@ def notice_prefix(prefix: str) -> str:
 
 def notice_key(prefix: str, node_id: str) -> str:
     return f"{notice_prefix(prefix)}{node_id}"
+
+
+def deputy_prefix(prefix: str) -> str:
+    """Lease-bound slots of the agents that watch every key (rendezvous/deputies.py)."""
+    return f"{prefix}round/deputy/"
+
+
+def shared_range(prefix: str) -> tuple[str, str]:
+    """The key range every agent watches: notice/*, round, round/* (not rounds/*)."""
+    return notice_prefix(prefix), f"{prefix}round0"
 
 
 def checkpoint_key(prefix: str) -> str:
@@ -323,6 +334,7 @@ class Plan:
     master_port: int
     restart_count: int = 0
     cause: str = "start"
+    _SCALARS = ("round", "master_addr", "master_port", "restart_count", "cause")  # not a field
 
     @property
     def world_size(self) -> int:
@@ -336,20 +348,31 @@ class Plan:
         return next((m for m in self.members if m.node_id == node_id), None)
 
     def to_json(self) -> bytes:
-        data = asdict(self)
-        data["world_size"] = self.world_size
-        for member in data["members"]:
-            member["labels"] = dict(member["labels"])
-        return json.dumps(data, sort_keys=True).encode()
+        """Format 2, columnar: every agent parses the plan each round, so ranks (order and
+        nproc give them) are left out and a value all members share is written once."""
+        ms, counts = self.members, [m.nproc for m in self.members]
+        starts = accumulate(counts, initial=0)
+        if [(m.node_rank, m.first_rank) for m in ms] != list(zip(range(len(ms)), starts)):
+            raise ValueError(f"round {self.round}: ranks do not follow from order and nproc")
+        data = {f: getattr(self, f) for f in self._SCALARS + ("world_size",)}
+        data.update(format=2, ids=list(self.node_ids))
+        for key, column in (("nproc", counts), ("addrs", [m.addr for m in ms])):
+            data[key] = column[0] if len(set(column)) == 1 else column
+        if any(m.labels for m in ms):
+            data["labels"] = [dict(m.labels) for m in ms]
+        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
     @staticmethod
     def from_json(raw: bytes) -> "Plan":
-        data = json.loads(raw)
-        data.pop("world_size", None)
-        data["members"] = tuple(
-            Member(**{**m, "labels": tuple(sorted(m.get("labels", {}).items()))})
-            for m in data["members"])
-        return Plan(**data)
+        """Also reads the per-member form of earlier agents: their plans stay in etcd."""
+        try:
+            data = json.loads(raw)
+            members = _columns(data) if "format" in data else tuple(
+                Member(**{**m, "labels": tuple(sorted(m.get("labels", {}).items()))})
+                for m in data["members"])
+            return Plan(members=members, **{f: data[f] for f in Plan._SCALARS})
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed plan record: {e!r}") from e
 
     def describe(self) -> str:
         def name(m: Member) -> str:
@@ -360,6 +383,26 @@ class Plan:
         )
         return (f"round {self.round}: world size {self.world_size} on {len(self.members)} "
                 f"node(s) [{blocks}], master {self.master_addr}:{self.master_port}")
+
+
+def _columns(data: dict) -> tuple[Member, ...]:
+    """Format 2's members, checked first: a wrong plan could give two workers one rank."""
+    ids = data.get("ids")
+    n = len(ids) if isinstance(ids, list) else -1
+    nprocs, addrs, labels = (c if isinstance(c, list) else [c] * n for c in (
+        data.get("nproc"), data.get("addrs"), data.get("labels", {})))
+    problem = (data["format"] != 2 and f"format {data['format']!r} (this agent reads 2)"
+               or n < 0 and "ids is not a list"
+               or not len(nprocs) == len(addrs) == len(labels) == n and "columns differ in length"
+               or not all(isinstance(s, str) for s in ids + addrs) and "ids/addrs not strings"
+               or not all(type(k) is int and k >= 0 for k in nprocs) and "nproc not ints >= 0"
+               or len(set(ids)) != n and "node ids repeat"
+               or data.get("world_size", sum(nprocs)) != sum(nprocs) and "wrong world_size")
+    if problem:
+        raise ValueError(f"malformed plan record: {problem}")
+    rows = zip(ids, nprocs, addrs, labels, accumulate(nprocs, initial=0))
+    return tuple(Member(i, r, k, a, s, tuple(sorted(lb.items())) if lb else ())
+                 for r, (i, k, a, lb, s) in enumerate(rows))
 
 
 # ---- decisions ------------------------------------------------------------------
