@@ -49,9 +49,8 @@ from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.events import EVENTS_FILE, EventLog
 from elastic_runner.rendezvous.failures import describe_exit, failure_message
 from elastic_runner.rendezvous.engine import EtcdRendezvous
-from elastic_runner.rendezvous.protocol import (
-    FINISHED, Cause, CauseKind, JobSpec, Plan, plan_problem,
-)
+from elastic_runner.rendezvous.protocol import FINISHED, Cause, CauseKind, JobSpec, Plan
+from elastic_runner.rendezvous.ranks import plan_problem
 from elastic_runner.agent.workers import WorkerExit, WorkerGroup, job_env
 
 log = logging.getLogger("elastic_runner")

@@ -47,7 +47,8 @@ from elastic_runner.contract import EXIT_FOR_RESIZE
 from elastic_runner.errors import RendezvousError, ShutdownRequested
 from elastic_runner.events import EventLog
 from elastic_runner.reform import FAILED, PAUSED, TRAINING, Assignment, ReformChannel, WorkerState
-from elastic_runner.rendezvous.protocol import Cause, CauseKind, Plan, assign_ranks, plan_problem
+from elastic_runner.rendezvous.protocol import Cause, CauseKind, Plan
+from elastic_runner.rendezvous.ranks import assign_ranks, plan_problem
 
 log = logging.getLogger("elastic_runner")
 

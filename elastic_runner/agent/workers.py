@@ -26,7 +26,8 @@ from elastic_runner.contract import (
     PROGRESS_DIR, WorkerEnv, error_file, variable,
 )
 from elastic_runner.reform import REFORM_DIR, STANDBY_ROUND
-from elastic_runner.rendezvous.protocol import Plan, RankAssignment, assign_ranks
+from elastic_runner.rendezvous.protocol import Plan
+from elastic_runner.rendezvous.ranks import RankAssignment, assign_ranks
 
 STDERR_TAIL_LINES = 20
 NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"

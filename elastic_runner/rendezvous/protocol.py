@@ -2,17 +2,16 @@
 
 A round is numbered; agents join it under their lease; it closes once (a
 create-if-absent plan written in the same transaction that flips the round to
-closed). The rules below decide who is in a round, when it may close, the rank
-order, and whether the round that ended counts as a restart. Keeping them pure
-lets a test check a rule without etcd, and lets every agent evaluate them on its
-own copy of the state and still agree: only the closing transaction decides.
+closed). The rules below decide who is in a round, when it may close, and
+whether the round that ended counts as a restart; ranks.py decides who gets which
+rank, from the values here. Keeping them pure lets a test check a rule without
+etcd, and lets every agent evaluate them on its own copy of the state and still
+agree: only the closing transaction decides.
 decisions.py turns these rules into what the engine does next (open, join,
 close, wait, count a restart), also without I/O. A round's cause is a `Cause`
 value; the round key and the plan hold its one text.
 
 Choices written down here:
-- Rank order is stable: members of the previous plan keep their relative order,
-  newcomers follow in the order they joined (etcd create revision).
 - A round closes when it holds --max-nodes joiners; or, after the first round,
   as soon as every live registered node has joined (a re-formation needs no wait
   when nobody else is coming); or when --min-nodes is met, every live node has
@@ -406,44 +405,6 @@ def _columns(data: dict) -> tuple[Member, ...]:
 
 
 # ---- decisions ------------------------------------------------------------------
-# Labels that group nodes into contiguous rank blocks, outermost first.
-GROUP_KEYS = ("zone", "rack")
-
-
-def rank_order(previous: tuple[str, ...], joiners: list[Joiner],
-               prefer: tuple[str, str] | None = None) -> list[Joiner]:
-    """Stable order, then grouped by zone and rack, rank 0 on a preferred node.
-
-    Survivors keep their relative order and newcomers follow by join revision;
-    grouping then pulls each zone (and each rack inside it) into one contiguous
-    block, in the order its first node appears, so a newcomer lands inside its
-    zone's block and survivors keep their order wherever the grouping allows.
-    If a node matches `prefer` (key, value), it goes first (and its zone and
-    rack with it): rank 0 writes checkpoints and hosts the store, so it belongs
-    on the steadiest node.
-    """
-    position = {node_id: index for index, node_id in enumerate(previous)}
-    survivors = sorted((j for j in joiners if j.node_id in position),
-                       key=lambda j: position[j.node_id])
-    newcomers = sorted((j for j in joiners if j.node_id not in position),
-                       key=lambda j: (j.join_revision, j.node_id))
-    base = survivors + newcomers
-    if prefer is not None:
-        preferred = next((j for j in base if j.label(prefer[0]) == prefer[1]), None)
-        if preferred is not None:
-            base = [preferred] + [j for j in base if j is not preferred]
-    return _group(base, 0)
-
-
-def _group(nodes: list[Joiner], depth: int) -> list[Joiner]:
-    if depth == len(GROUP_KEYS):
-        return nodes
-    buckets: dict[str, list[Joiner]] = {}
-    for node in nodes:
-        buckets.setdefault(node.label(GROUP_KEYS[depth]), []).append(node)
-    return [node for bucket in buckets.values() for node in _group(bucket, depth + 1)]
-
-
 @dataclass(frozen=True)
 class CloseInputs:
     joined: int
@@ -473,56 +434,3 @@ def may_close(inputs: CloseInputs) -> bool:
 
 def counts_as_restart(failed: bool, previous: tuple[str, ...], members: tuple[str, ...]) -> bool:
     return failed and set(previous) <= set(members)
-
-
-def build_plan(number: int, ordered: list[Joiner], max_nodes: int, restart_count: int,
-               cause: str, max_workers: int = 0) -> Plan:
-    """Take joiners in order up to max_nodes (and max_workers, skipping nodes that
-    would overshoot it); node ranks contiguous, global ranks in per-node blocks."""
-    chosen: list[Joiner] = []
-    for joiner in ordered:
-        total = sum(j.nproc for j in chosen) + joiner.nproc
-        if len(chosen) < max_nodes and (not max_workers or total <= max_workers):
-            chosen.append(joiner)
-    members, first_rank = [], 0
-    for node_rank, joiner in enumerate(chosen):
-        members.append(Member(joiner.node_id, node_rank, joiner.nproc, joiner.addr, first_rank,
-                              joiner.labels))
-        first_rank += joiner.nproc
-    host = chosen[0]
-    return Plan(number, tuple(members), host.addr, host.port, restart_count, cause)
-
-
-def plan_problem(plan: Plan) -> str | None:
-    """Why workers must not start on this plan (None when it is sound)."""
-    if not plan.members:
-        return "the plan has no members"
-    ranks = [r for m in plan.members for r in range(m.first_rank, m.first_rank + m.nproc)]
-    if sorted(ranks) != list(range(plan.world_size)):
-        return f"global ranks {sorted(ranks)} are not exactly 0..{plan.world_size - 1}"
-    if [m.node_rank for m in plan.members] != list(range(len(plan.members))):
-        return "node ranks are not contiguous from 0"
-    return None
-
-
-@dataclass(frozen=True)
-class RankAssignment:
-    """The torchrun environment of one worker, derived from a plan."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    group_rank: int
-    group_world_size: int
-
-
-def assign_ranks(plan: Plan, node_id: str) -> list[RankAssignment]:
-    member = plan.member(node_id)
-    if member is None:
-        return []
-    return [
-        RankAssignment(member.first_rank + local, local, plan.world_size, member.nproc,
-                       member.node_rank, len(plan.members))
-        for local in range(member.nproc)
-    ]

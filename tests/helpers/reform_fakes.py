@@ -26,9 +26,8 @@ from elastic_runner.reform import (
     COLLECTIVE_ERROR, FAILED, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, Assignment,
     ReformChannel, WorkerState,
 )
-from elastic_runner.rendezvous.protocol import (
-    Cause, Member, Plan, RankAssignment, assign_ranks,
-)
+from elastic_runner.rendezvous.protocol import Cause, Member, Plan
+from elastic_runner.rendezvous.ranks import RankAssignment, assign_ranks
 
 
 NODE = "a"

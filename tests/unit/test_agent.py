@@ -27,7 +27,8 @@ from elastic_runner.errors import (
     EXIT_CODES, EtcdUnavailable, ShutdownRequested, WorkerFailure, exit_code_for,
 )
 from elastic_runner.rendezvous.failures import failure_message
-from elastic_runner.rendezvous.protocol import Cause, CauseKind, Member, Plan, assign_ranks
+from elastic_runner.rendezvous.protocol import Cause, CauseKind, Member, Plan
+from elastic_runner.rendezvous.ranks import assign_ranks
 
 NODE = "a"
 LEASE_TTL_S = 2  # the agent's etcd grace is twice this

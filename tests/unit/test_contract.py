@@ -12,7 +12,7 @@ from elastic_runner.rendezvous.failures import failure_message
 from elastic_runner.agent.workers import read_error_file, worker_env
 from tests.unit.test_workers import PLAN, envs
 from elastic_runner.config import WorkerConfig
-from elastic_runner.rendezvous.protocol import assign_ranks
+from elastic_runner.rendezvous.ranks import assign_ranks
 
 
 def test_worker_env_round_trips_through_the_environment():

@@ -108,6 +108,8 @@ def test_the_protocol_imports_nothing_from_the_project(graph):
     assert graph["rendezvous.protocol"] == set()
     # The rendezvous's decisions: pure functions over the protocol's values.
     assert graph["rendezvous.decisions"] <= {"rendezvous", "rendezvous.protocol"}
+    # Who gets which rank: pure functions over the protocol's values.
+    assert graph["rendezvous.ranks"] <= {"rendezvous", "rendezvous.protocol"}
 
 
 def test_the_worker_reaches_etcd_only_for_the_checkpoint_record(graph):

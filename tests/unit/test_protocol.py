@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from elastic_runner.rendezvous import decisions as d
 from elastic_runner import ids
 from elastic_runner.rendezvous import protocol as p
+from elastic_runner.rendezvous.ranks import assign_ranks, build_plan, rank_order
 
 PROPS = settings(max_examples=200, deadline=None)
 
@@ -28,17 +29,17 @@ def test_rank_order_survivors_keep_order_newcomers_follow_by_revision():
     previous = ("c", "a", "b")
     joiners = [joiner("a", 5), joiner("new2", 9), joiner("b", 1), joiner("new1", 7),
                joiner("c", 30)]
-    ordered = p.rank_order(previous, joiners)
+    ordered = rank_order(previous, joiners)
     assert [j.node_id for j in ordered] == ["c", "a", "b", "new1", "new2"]
 
 
 def test_rank_order_first_round_orders_by_join_revision():
     joiners = [joiner("x", 3), joiner("y", 1), joiner("z", 2)]
-    assert [j.node_id for j in p.rank_order((), joiners)] == ["y", "z", "x"]
+    assert [j.node_id for j in rank_order((), joiners)] == ["y", "z", "x"]
 
 
 def test_rank_order_lost_member_leaves_no_gap():
-    ordered = p.rank_order(("a", "b", "c"), [joiner("c", 1), joiner("a", 2)])
+    ordered = rank_order(("a", "b", "c"), [joiner("c", 1), joiner("a", 2)])
     assert [j.node_id for j in ordered] == ["a", "c"]
 
 
@@ -60,7 +61,7 @@ def membership_change(draw):
 @given(membership_change())
 def test_rank_order_property(change):
     previous, survivors, newcomers, joiners = change
-    ordered = p.rank_order(previous, joiners)
+    ordered = rank_order(previous, joiners)
     ids = [j.node_id for j in ordered]
     # a permutation of the joiners, nothing added or dropped
     assert sorted(ids) == sorted(j.node_id for j in joiners)
@@ -78,7 +79,7 @@ def test_build_plan_mixed_nproc_blocks_and_master():
     ordered = [joiner("a", 1, nproc=2, addr="10.0.0.1", port=1111),
                joiner("b", 2, nproc=1, addr="10.0.0.2", port=2222),
                joiner("c", 3, nproc=4, addr="10.0.0.3", port=3333)]
-    plan = p.build_plan(7, ordered, max_nodes=8, restart_count=2, cause="failure")
+    plan = build_plan(7, ordered, max_nodes=8, restart_count=2, cause="failure")
     assert plan.round == 7
     assert plan.restart_count == 2 and plan.cause == "failure"
     assert plan.node_ids == ("a", "b", "c")
@@ -92,7 +93,7 @@ def test_build_plan_mixed_nproc_blocks_and_master():
 
 def test_build_plan_caps_at_max_nodes():
     ordered = [joiner(n, i) for i, n in enumerate("abcde")]
-    plan = p.build_plan(0, ordered, max_nodes=3, restart_count=0, cause="start")
+    plan = build_plan(0, ordered, max_nodes=3, restart_count=0, cause="start")
     assert plan.node_ids == ("a", "b", "c")
     assert plan.world_size == 3
 
@@ -108,7 +109,7 @@ def test_build_plan_caps_at_max_nodes():
 def test_build_plan_property(nodes, max_nodes, number, restarts):
     ordered = [p.Joiner(n, f"host-{n}", 20000 + i, nproc, i) for i, (n, nproc) in
                enumerate(nodes)]
-    plan = p.build_plan(number, ordered, max_nodes, restarts, "start")
+    plan = build_plan(number, ordered, max_nodes, restarts, "start")
     expected = ordered[:max_nodes]
     assert len(plan.members) == min(len(ordered), max_nodes)
     assert plan.node_ids == tuple(j.node_id for j in expected)
@@ -128,11 +129,11 @@ def test_build_plan_property(nodes, max_nodes, number, restarts):
 @given(st.lists(st.integers(min_value=1, max_value=8), min_size=1, max_size=10))
 def test_assign_ranks_property(nprocs):
     ordered = [p.Joiner(f"n{i}", f"h{i}", 1000 + i, nproc, i) for i, nproc in enumerate(nprocs)]
-    plan = p.build_plan(3, ordered, len(ordered), 0, "start")
+    plan = build_plan(3, ordered, len(ordered), 0, "start")
     world = sum(nprocs)
     all_ranks = []
     for member in plan.members:
-        assignments = p.assign_ranks(plan, member.node_id)
+        assignments = assign_ranks(plan, member.node_id)
         assert [a.local_rank for a in assignments] == list(range(member.nproc))
         assert [a.rank for a in assignments] == [member.first_rank + a.local_rank
                                                  for a in assignments]
@@ -143,14 +144,14 @@ def test_assign_ranks_property(nprocs):
             assert a.group_world_size == len(nprocs)
         all_ranks.extend(a.rank for a in assignments)
     assert sorted(all_ranks) == list(range(world))
-    assert p.assign_ranks(plan, "not-in-plan") == []
+    assert assign_ranks(plan, "not-in-plan") == []
 
 
 def test_assign_ranks_standby_gets_nothing():
     ordered = [joiner("a", 1, nproc=2), joiner("b", 2, nproc=2), joiner("standby", 3)]
-    plan = p.build_plan(0, ordered, max_nodes=2, restart_count=0, cause="start")
-    assert p.assign_ranks(plan, "standby") == []
-    assert [a.rank for a in p.assign_ranks(plan, "b")] == [2, 3]
+    plan = build_plan(0, ordered, max_nodes=2, restart_count=0, cause="start")
+    assert assign_ranks(plan, "standby") == []
+    assert [a.rank for a in assign_ranks(plan, "b")] == [2, 3]
 
 
 # ---- may_close ------------------------------------------------------------------
@@ -214,7 +215,7 @@ def test_counts_as_restart(failed, previous, members, expected):
 def test_plan_json_round_trip():
     ordered = [joiner("a", 1, nproc=2, addr="10.0.0.1", port=4000),
                joiner("b", 2, nproc=3, addr="10.0.0.2")]
-    plan = p.build_plan(4, ordered, 4, 1, "scale-up")
+    plan = build_plan(4, ordered, 4, 1, "scale-up")
     raw = plan.to_json()
     assert json.loads(raw)["world_size"] == 5
     back = p.Plan.from_json(raw)
@@ -229,7 +230,7 @@ def test_plan_json_round_trip():
        st.integers(0, 100), st.integers(0, 10), st.text(max_size=10))
 def test_plan_json_round_trip_property(nodes, number, restarts, cause):
     ordered = [p.Joiner(n, f"h-{n}", 100 + i, k, i) for i, (n, k) in enumerate(nodes)]
-    plan = p.build_plan(number, ordered, len(ordered), restarts, cause)
+    plan = build_plan(number, ordered, len(ordered), restarts, cause)
     assert p.Plan.from_json(plan.to_json()) == plan
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from elastic_runner.rendezvous import decisions as d
 from elastic_runner import ids
 from elastic_runner.rendezvous import protocol as p
+from elastic_runner.rendezvous.ranks import build_plan, rank_order
 
 PROPS = settings(max_examples=200, deadline=None)
 NODE_IDS = st.from_regex(ids.ID_GRAMMAR, fullmatch=True).filter(lambda i: ids.id_problem(i) is None)
@@ -24,7 +25,7 @@ K = p.CauseKind
 def plan(members: list[tuple[str, int]], restarts: int = 0) -> p.Plan:
     joiners = [p.Joiner(node, f"10.0.0.{i + 1}", 29500, nproc, i)
                for i, (node, nproc) in enumerate(members)]
-    return p.build_plan(3, joiners, max(len(joiners), 1), restarts, "start")
+    return build_plan(3, joiners, max(len(joiners), 1), restarts, "start")
 
 
 # ---- Cause: one text for etcd and logs, read back by kind ----------------------------
@@ -146,8 +147,8 @@ def test_a_node_with_room_is_taken_by_the_next_plan(members, nproc, max_nodes, m
         return
     joiners = [p.Joiner(m.node_id, m.addr, 1, m.nproc, i) for i, m in enumerate(current.members)]
     joiners.append(p.Joiner("new", "10.9.9.9", 1, nproc, 99))
-    order = p.rank_order(current.node_ids, joiners)
-    assert "new" in p.build_plan(4, order, max_nodes, 0, "newcomer", max_workers).node_ids
+    order = rank_order(current.node_ids, joiners)
+    assert "new" in build_plan(4, order, max_nodes, 0, "newcomer", max_workers).node_ids
 
 
 def test_outsider_action():
@@ -451,8 +452,8 @@ def test_a_suspected_round_obeys_its_grace(view, rules, elapsed):
             assert closable
         if closable:
             joiners = [p.Joiner(n, "10.0.0.1", 1, 1, i) for i, n in enumerate(sorted(view.joined))]
-            members = p.build_plan(5, p.rank_order(view.previous, joiners), rules.max_nodes, 0,
-                                   "member-suspected").node_ids
+            members = build_plan(5, rank_order(view.previous, joiners), rules.max_nodes, 0,
+                                 "member-suspected").node_ids
             assert not silent & set(members)
             survivors = [n for n in view.previous if n in members]
             assert list(members[:len(survivors)]) == survivors  # stable order kept

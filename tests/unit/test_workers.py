@@ -2,7 +2,8 @@
 
 from elastic_runner.config import WorkerConfig
 from elastic_runner.contract import WorkerEnv
-from elastic_runner.rendezvous.protocol import Member, Plan, assign_ranks
+from elastic_runner.rendezvous.protocol import Member, Plan
+from elastic_runner.rendezvous.ranks import assign_ranks
 from elastic_runner.agent.workers import worker_env
 
 PLAN = Plan(round=3, members=(Member("a", 0, 4, "10.0.0.1", 0), Member("b", 1, 4, "10.0.0.2", 4)),
