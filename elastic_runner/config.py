@@ -128,6 +128,11 @@ class RendezvousConfig:
     # at the smaller size, whatever the lease TTL. One dropped wrongly joins the
     # next round as a newcomer does.
     suspect_grace_s: float = 1.0
+    # Agents that copy every key of the run and decide from them (rendezvous/
+    # deputies.py): the closer and its backups. The rest copy only the round key,
+    # so etcd's work per round grows with N, not N^2. Why 3: a closer and two
+    # backups survive two simultaneous losses without waiting for a new deputy.
+    deputies: int = 3
 
     @property
     def prefix(self) -> str:

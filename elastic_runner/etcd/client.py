@@ -239,6 +239,14 @@ class EtcdClient:
         )
         return [_to_kv(kv) for kv in response.kvs], response.header.revision
 
+    def get_range(self, start: str, end: str) -> tuple[list[KeyValue], int]:
+        """Return the keys in [start, end) (sorted by key) and the store revision read at."""
+        response = self._retrying(
+            lambda: self._client.get_range_response(start, end, sort_order="ascend"),
+            f"get [{start}, {end})",
+        )
+        return [_to_kv(kv) for kv in response.kvs], response.header.revision
+
     def put(self, key: str, value: bytes, lease: int | None = None) -> int:
         response = self._retrying(lambda: self._client.put(key, value, lease=lease), f"put {key}")
         return response.header.revision
@@ -307,6 +315,13 @@ class EtcdClient:
     def watch_prefix(self, prefix: str, start_revision: int,
                      on_events: Callable[[list[WatchEvent]], None]) -> "PrefixWatch":
         watch = PrefixWatch(lambda: self._client, prefix, start_revision, on_events)
+        watch.start()
+        return watch
+
+    def watch_range(self, start: str, end: str, start_revision: int,
+                    on_events: Callable[[list[WatchEvent]], None]) -> "PrefixWatch":
+        """Watch the keys in [start, end): several neighbouring keys on one stream."""
+        watch = PrefixWatch(lambda: self._client, start, start_revision, on_events, end)
         watch.start()
         return watch
 
@@ -379,6 +394,8 @@ class PrefixWatch:
     prefix: str
     next_revision: int
     on_events: Callable[[list[WatchEvent]], None]
+    # The end of the watched range (exclusive); None watches `prefix` as a prefix.
+    range_end: str | None = None
     _stopped: threading.Event = field(default_factory=threading.Event)
     _broken: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -404,16 +421,24 @@ class PrefixWatch:
             self._broken.clear()
             try:
                 self._watch_client = self.current_client()
-                self._watch_id = self._watch_client.add_watch_prefix_callback(
-                    self.prefix, self._deliver, start_revision=self.next_revision
-                )
+                self._watch_id = self._create(self._watch_client)
                 backoff = 0.05
+                if self._stopped.is_set():  # cancelled while it was being created
+                    self._watch_client.cancel_watch(self._watch_id)
+                    return
             except Exception as exc:  # server down: retry until cancelled
                 log.debug("watch on %s not created (%s); retrying", self.prefix, exc)
                 self._stopped.wait(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
             self._broken.wait()
+
+    def _create(self, client: pyetcd.MultiEndpointEtcd3Client) -> int:
+        if self.range_end is None:
+            return client.add_watch_prefix_callback(self.prefix, self._deliver,
+                                                    start_revision=self.next_revision)
+        return client.add_watch_callback(self.prefix, self._deliver, range_end=self.range_end,
+                                         start_revision=self.next_revision)
 
     def _deliver(self, response) -> None:
         if isinstance(response, BaseException) or response is None:

@@ -62,6 +62,13 @@ class KeptLease:
             self._last_refresh = time.monotonic()
             pause, failures = interval, 0
 
+    def mark_lost(self, why: str) -> None:
+        """etcd refused a write under this lease (lease not found): it is gone, whatever
+        the keep-alive loop last heard; the owner registers again with a new one."""
+        self._stop.set()
+        if not self.lost.is_set():
+            self._mark_lost(why)
+
     def _mark_lost(self, why: str) -> None:
         log.warning("lease %x expired (%s): this node is no longer a member", self.id, why)
         self.lost.set()

@@ -12,6 +12,12 @@ clock: timestamps written by other machines are not comparable with ours (their
 wall clocks drift and step), but "how long ago did I see this node register" is
 measured on one clock. A key already there when the copy was read counts as
 first seen then: it may be older, and nothing here can tell how much.
+
+A copy may start narrow: only the keys in one range of the prefix (`narrow`),
+those every agent needs. Why: at a thousand agents, each of a round's thousand
+join writes went to a thousand full copies, a million events per round; most
+agents only need the round key, and only the few that decide (rendezvous
+deputies) widen their copy to the whole prefix.
 """
 
 from __future__ import annotations
@@ -26,8 +32,11 @@ from elastic_runner.etcd.client import EtcdClient, KeyValue, WatchEvent
 class PrefixMirror:
     def __init__(self, client: EtcdClient, prefix: str,
                  ignore: Callable[[str], bool] = lambda key: False,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 narrow: tuple[str, str] | None = None):
         self._client = client
+        # The key range [start, end) copied while narrow; None: the whole prefix.
+        self._narrow = narrow
         self._clock = clock
         self.prefix = prefix
         # Keys under the prefix that decide nothing here (bulk data written by
@@ -44,9 +53,28 @@ class PrefixMirror:
         self._generation = 0
         self._changed = threading.Condition()
         self._watch = None
+        # Which watch feeds the copy: events of an earlier one (cancelled by a resync,
+        # still delivering for a moment, or over other keys) must not be applied.
+        self._epoch = 0
+        # Watch events received (before `ignore`): what etcd sent this copy.
+        self.events_delivered = 0
+
+    @property
+    def wide(self) -> bool:
+        """Whether the copy holds the whole prefix (else only its narrow range)."""
+        return self._narrow is None
+
+    def widen(self) -> None:
+        """Copy the whole prefix from now on (one read of it, then one wider watch)."""
+        if self._narrow is not None:
+            self._narrow = None
+            self.resync()
 
     def start(self) -> None:
-        entries, revision = self._client.get_prefix(self.prefix)
+        if self._narrow is None:
+            entries, revision = self._client.get_prefix(self.prefix)
+        else:
+            entries, revision = self._client.get_range(*self._narrow)
         now = self._clock()
         with self._changed:
             self._entries, self._directories = {}, {}
@@ -57,7 +85,15 @@ class PrefixMirror:
             self._first_seen = {key: seen for key, seen in self._first_seen.items()
                                 if key in self._entries}
             self._revision = revision
-        self._watch = self._client.watch_prefix(self.prefix, revision + 1, self._apply)
+            self._epoch += 1
+            epoch = self._epoch
+
+        def apply(events: list[WatchEvent]) -> None:
+            self._apply(events, epoch)
+        if self._narrow is None:
+            self._watch = self._client.watch_prefix(self.prefix, revision + 1, apply)
+        else:
+            self._watch = self._client.watch_range(*self._narrow, revision + 1, apply)
 
     def stop(self) -> None:
         if self._watch is not None:
@@ -74,12 +110,15 @@ class PrefixMirror:
         self.start()
         self.wake()
 
-    def _apply(self, events: list[WatchEvent]) -> None:
+    def _apply(self, events: list[WatchEvent], epoch: int) -> None:
+        self.events_delivered += len(events)
         events = [e for e in events if not self._ignore(e.key)]
         if not events:
             return
         now = self._clock()
         with self._changed:
+            if epoch != self._epoch:
+                return
             for event in events:
                 if event.mod_revision <= self._revision:
                     continue  # already in the snapshot

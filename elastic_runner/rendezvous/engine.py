@@ -23,12 +23,11 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
-    RendezvousTimeout, RunFinished, ShutdownRequested, WorkerFailure,
+    LeaseNotFound, RendezvousTimeout, RunFinished, ShutdownRequested, WorkerFailure,
 )
 from elastic_runner.etcd.client import EtcdClient, Put, key_missing, mod_revision_is
 from elastic_runner.etcd.lease import KeptLease
@@ -36,9 +35,11 @@ from elastic_runner.etcd.mirror import PrefixMirror
 from elastic_runner.etcd.server import free_port
 from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
-from elastic_runner.rendezvous import registration
+from elastic_runner.rendezvous import ranks, registration
+from elastic_runner.rendezvous.deputies import Deputies
 from elastic_runner.rendezvous.failures import failure_message
 from elastic_runner.rendezvous.newcomers import Newcomers
+from elastic_runner.rendezvous.running import RoundView, WhileRunning
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +52,12 @@ BATCH_S_PER_NODE = 0.0001
 MAX_BATCH_S = 0.05
 # A copy of etcd whose counts still disagree after this long is read again.
 RESYNC_AFTER_S = 5.0
+# The longest a non-deputy in an open round sleeps between looks: any change of
+# the round key or of the deputies wakes it sooner.
+FOLLOWER_LOOK_S = 5.0
 
 
-@dataclass(frozen=True)
-class RoundView:
-    state: p.RoundState
-    mod_revision: int
-
-
-class EtcdRendezvous:
+class EtcdRendezvous(WhileRunning):
     def __init__(self, client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
                  max_restarts: int, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time):
@@ -74,8 +72,11 @@ class EtcdRendezvous:
         self._rules = d.RoundRules(config.min_nodes, config.max_nodes, config.min_workers,
                                    config.max_workers, config.settle_s, config.settle_max_s,
                                    config.drain_timeout_s, config.suspect_grace_s)
-        self.mirror = PrefixMirror(client, self.prefix, ignore=p.is_passive_key, clock=clock)
-        self.newcomers = Newcomers(self.mirror, config, clock)
+        self.mirror = PrefixMirror(client, self.prefix, ignore=p.is_passive_key, clock=clock,
+                                   narrow=p.shared_range(self.prefix))
+        self.deputies = Deputies(client, self.mirror, self.prefix, self.node_id,
+                                 config.deputies, config.write_visible_timeout_s)
+        self.newcomers = Newcomers(self.mirror, config, clock, opener=self.deputies.opener)
         self.lease: KeptLease | None = None
         self.shutdown = threading.Event()
         self._min_met_at: dict[int, float] = {}
@@ -87,6 +88,10 @@ class EtcdRendezvous:
         self._closable_since: dict[int, float] = {}
         self._lagging_since: dict[int, float] = {}
         self._members_checked: tuple[int, int] | None = None
+        # (round, lease) of our last join: a non-deputy's copy holds no join keys.
+        self._joined: tuple[int, int] | None = None
+        self._registered_at = clock()
+        self._marked_in_place = False
 
     # ---- membership -------------------------------------------------------------
     def register(self) -> None:
@@ -107,8 +112,10 @@ class EtcdRendezvous:
     def _take_lease(self) -> None:
         """Create our node key under a fresh lease (registration.py: never over another's)."""
         record = registration.node_record(self._config, self._wall_clock)
-        self.lease = registration.take_lease(self._client, self._config, self.mirror, record,
+        self.lease = registration.take_lease(self._client, self._config, record,
                                              on_lost=self.mirror.wake)
+        self._registered_at = self._clock()
+        self.deputies.ensure(self.lease.id)
 
     def leave(self) -> None:
         """Revoke the lease so the others re-form now rather than after the TTL."""
@@ -150,7 +157,15 @@ class EtcdRendezvous:
         return RoundView(p.RoundState.from_json(kv.value), kv.mod_revision) if kv else None
 
     def plan(self, number: int) -> p.Plan | None:
-        kv = self.mirror.get(p.plan_key(self.prefix, number))
+        """A round's plan: from our copy when it is wide, else read once from etcd
+        (a plan is written once, with its round's close, and never changes)."""
+        key = p.plan_key(self.prefix, number)
+        if self.mirror.wide:
+            kv = self.mirror.get(key)
+        elif key in self._decoded:
+            return self._decoded[key][1]
+        else:
+            kv = self._client.get(key)
         return self._decode(kv, lambda kv: p.Plan.from_json(kv.value)) if kv else None
 
     def _joiners(self, number: int) -> list[p.Joiner]:
@@ -185,9 +200,20 @@ class EtcdRendezvous:
         guard = (mod_revision_is(p.round_key(self.prefix), seen.mod_revision) if seen
                  else key_missing(p.round_key(self.prefix)))
         result = self._client.txn([guard], [Put(p.round_key(self.prefix), new.to_json()), *extra])
-        self.mirror.wait_revision(result.revision,
-                                  timeout_s=self._config.write_visible_timeout_s)
+        self._see_round_move(seen, result.revision)
         return result.succeeded
+
+    def _see_round_move(self, seen: RoundView | None, revision: int) -> None:
+        """Wait until our copy shows the round key past `seen` (our write, or the one
+        that beat it). A narrow copy waits for that key: its revision moves only with
+        the keys it holds, so `revision`, etcd's newest, may never reach it."""
+        timeout_s = self._config.write_visible_timeout_s
+        if self.mirror.wide:
+            self.mirror.wait_revision(revision, timeout_s=timeout_s)
+            return
+        key, before = p.round_key(self.prefix), seen.mod_revision if seen else None
+        self.mirror.wait_until(lambda: getattr(self.mirror.get(key), "mod_revision", None)
+                               not in (None, before), timeout_s)
 
     def open_next(self, seen: RoundView, cause: p.Cause) -> bool:
         return self._cas_round(seen, p.RoundState(seen.state.number + 1, p.OPEN, cause.text()))
@@ -216,10 +242,25 @@ class EtcdRendezvous:
         joiner = p.Joiner(self.node_id, self._config.node_addr, port, self._config.nproc,
                           labels=self._config.labels)
         key = p.join_key(self.prefix, seen.state.number, self.node_id)
-        result = self._client.txn([mod_revision_is(p.round_key(self.prefix), seen.mod_revision)],
-                                  [Put(key, joiner.to_json(), self.lease.id)])
-        self.mirror.wait_revision(result.revision,
-                                  timeout_s=self._config.write_visible_timeout_s)
+        try:
+            result = self._client.txn(
+                [mod_revision_is(p.round_key(self.prefix), seen.mod_revision)],
+                [Put(key, joiner.to_json(), self.lease.id)])
+        except LeaseNotFound as exc:  # starved past the TTL: register again (next_plan)
+            self.lease.mark_lost(f"etcd refused our join ({exc})")
+            return
+        if result.succeeded:
+            self._joined = (seen.state.number, self.lease.id)
+        if self.mirror.wide:
+            self.mirror.wait_revision(result.revision,
+                                      timeout_s=self._config.write_visible_timeout_s)
+        elif not result.succeeded:  # the round moved: look again once our copy shows it
+            self._see_round_move(seen, result.revision)
+
+    def _has_joined(self, number: int) -> bool:
+        if self.mirror.wide:
+            return self.mirror.get(p.join_key(self.prefix, number, self.node_id)) is not None
+        return self._joined == (number, self.lease.id)
 
     def report_failure(self, number: int, failure: dict) -> None:
         """Record the first failure of a round: the one the job's error will name."""
@@ -240,10 +281,10 @@ class EtcdRendezvous:
     def mark_in_place(self, round_number: int) -> None:
         """This node's workers re-form in place (they reported so in `round_number`).
         Written once per run: the script is the same on every node (the spec)."""
-        key = p.inplace_key(self.prefix)
-        if self.mirror.get(key) is None:
-            self._client.create_if_absent(key, json.dumps(
+        if not self._marked_in_place:
+            self._client.create_if_absent(p.inplace_key(self.prefix), json.dumps(
                 {"round": round_number, "node": self.node_id}).encode())
+            self._marked_in_place = True
 
     def runs_in_place(self) -> bool:
         """Whether a node joining now should start its workers before announcing itself:
@@ -252,21 +293,6 @@ class EtcdRendezvous:
         round_kv = self._client.get(p.round_key(self.prefix))
         return (round_kv is not None and self._client.get(p.inplace_key(self.prefix)) is not None
                 and p.RoundState.from_json(round_kv.value).state != p.FINISHED)
-
-    def notices(self, plan: p.Plan) -> list[str]:
-        """Members of `plan` that announced their departure during its round."""
-        found = []
-        for kv in self.mirror.children(p.notice_prefix(self.prefix)):
-            node = p.node_id_from_key(kv.key)
-            if node in plan.node_ids and json.loads(kv.value).get("round") == plan.round:
-                found.append(node)
-        return found
-
-    def finish(self, plan: p.Plan) -> None:
-        seen = self.current_round()
-        if seen and seen.state.number == plan.round and seen.state.state == p.CLOSED:
-            self._cas_round(seen, p.RoundState(plan.round, p.FINISHED,
-                                               p.Cause(p.CauseKind.FINISHED).text()))
 
     # ---- the round loop ---------------------------------------------------------
     def next_plan(self, previous: p.Plan | None, cause: p.Cause) -> p.Plan:
@@ -321,10 +347,15 @@ class EtcdRendezvous:
         if plan is None:
             return 0.1  # our copy lags the closing transaction by a moment
         if plan.member(self.node_id):
-            self.newcomers.left_out.note(plan, self.plan(plan.round - 1) if plan.round else None)
+            if self.mirror.wide:  # only deputies decide on whom it left out
+                self.newcomers.left_out.note(plan,
+                                             self.plan(plan.round - 1) if plan.round else None)
             return plan
+        if self.deputies.ensure(self.lease.id) and self._members_lost(seen, plan):
+            return None  # a deputy outside the plan still sees a member go
         room = self.newcomers.has_room(plan, self._config.nproc)
-        action = d.outsider_action(room, self.newcomers.own_wait() if room else 0.0)
+        wait = self.newcomers.own_wait(self._registered_at) if room else 0.0
+        action = d.outsider_action(room, wait)
         if action.act is d.Act.WAIT:
             return action.wait_s
         self.open_next(seen, action.cause)
@@ -332,9 +363,11 @@ class EtcdRendezvous:
 
     def _in_open_round(self, seen: RoundView, deadline: float):
         number = seen.state.number
-        if self.mirror.get(p.join_key(self.prefix, number, self.node_id)) is None:
+        if not self._has_joined(number):
             self._join(seen)
             return None
+        if not self.deputies.ensure(self.lease.id):
+            return self._follower_wait(number, deadline)
         wait = self._wait_without_looking(number)
         if wait is not None:
             return wait
@@ -373,11 +406,7 @@ class EtcdRendezvous:
         if d.minimum_met(len(joined), workers, self._rules):
             self._min_met_at.setdefault(number, now)
         elif now >= deadline:
-            raise RendezvousTimeout(
-                f"only {len(joined)} of --min-nodes {self._config.min_nodes} node(s) joined "
-                f"run {self._config.run_id!r} within --join-timeout "
-                f"{self._config.join_timeout_s:g} s; start more nodes or lower --min-nodes"
-            )
+            raise self._too_few(len(joined))
         previous = self.plan(number - 1) if number > 0 else None
         look = d.RoundLook(joined, workers, self.newcomers.registered(),
                            previous.node_ids if previous else None,
@@ -385,8 +414,27 @@ class EtcdRendezvous:
                            suspected=p.Cause.parse(seen.state.cause).kind
                            is p.CauseKind.MEMBER_SUSPECTED,
                            suspects=self.newcomers.left_out.live())
-        closer = d.elect_closer((p.node_id_from_key(kv.key), kv.create_revision) for kv in joins)
+        deputies = self.deputies.holders()
+        closer = d.elect_closer([(p.node_id_from_key(kv.key), kv.create_revision)
+                                 for kv in joins if p.node_id_from_key(kv.key) in deputies]
+                                or [(self.node_id, 0)])
         return look, previous, closer
+
+    def _follower_wait(self, number: int, deadline: float) -> float:
+        """A non-deputy in an open round waits for the round key (a deputy closes it)."""
+        remaining = deadline - self._clock()
+        if remaining > 0:
+            return min(FOLLOWER_LOOK_S, remaining)
+        joined = self._client.count_prefix(p.join_prefix(self.prefix, number))
+        if d.minimum_met(joined, joined * self._config.nproc, self._rules):
+            return FOLLOWER_LOOK_S  # the minimum is there: the deputies close the round
+        raise self._too_few(joined)
+
+    def _too_few(self, joined: int) -> RendezvousTimeout:
+        return RendezvousTimeout(
+            f"only {joined} of --min-nodes {self._config.min_nodes} node(s) joined "
+            f"run {self._config.run_id!r} within --join-timeout "
+            f"{self._config.join_timeout_s:g} s; start more nodes or lower --min-nodes")
 
     def _copy_lags(self, number: int) -> bool:
         """Before closing, check our copy against etcd's counts of joiners and nodes.
@@ -420,9 +468,9 @@ class EtcdRendezvous:
     def _close(self, seen: RoundView, joiners: list[p.Joiner], previous: p.Plan | None) -> None:
         """Write the plan, or fail the job when this round would exceed --max-restarts."""
         number = seen.state.number
-        order = p.rank_order(previous.node_ids if previous else (), joiners,
+        order = ranks.rank_order(previous.node_ids if previous else (), joiners,
                              self._config.rank0_prefer)
-        plan = p.build_plan(number, order, self._config.max_nodes, 0, seen.state.cause,
+        plan = ranks.build_plan(number, order, self._config.max_nodes, 0, seen.state.cause,
                             self._config.max_workers)
         failure = self.mirror.get(p.failure_key(self.prefix, number - 1))
         verdict = d.restart_verdict(previous, failure is not None, plan.node_ids,
@@ -435,55 +483,3 @@ class EtcdRendezvous:
         plan = dataclasses.replace(plan, restart_count=verdict.restart_count)
         self._cas_round(seen, p.RoundState(number, p.CLOSED, seen.state.cause),
                         Put(p.plan_key(self.prefix, number), plan.to_json()))
-
-    # ---- while workers run ------------------------------------------------------
-    def change_reason(self, plan: p.Plan) -> p.Cause | None:
-        """Why the workers of `plan` must stop, or None while the plan still holds."""
-        seen = self.current_round()
-        change = d.plan_change(plan.round, seen.state if seen else None,
-                               self.lease.lost.is_set())
-        if change is d.Watch.HOLDS:
-            return None
-        if change is not d.Watch.MEMBERS:
-            return change
-        departures = self.mirror.census(p.nodes_prefix(self.prefix))[1]
-        # Skipped while no node key was deleted since every member was seen live.
-        if self._members_checked != (plan.round, departures):
-            lost = d.lost_members(plan, self._live_nodes())
-            if lost:
-                lost = self._confirm_lost(lost)
-            if lost:
-                cause = p.Cause.member_lost(lost)
-                self.open_next(seen, cause)
-                return cause
-            self._members_checked = (plan.round, departures)
-        return self._open_for_newcomers(seen, plan)
-
-    def _open_for_newcomers(self, seen: RoundView, plan: p.Plan) -> p.Cause | None:
-        """The plan's first member opens the next round once a newcomer is due.
-
-        It saw the newcomers register, so it tells a lone arrival (at once) from
-        a burst (after the settle quiet) on its own clock; see newcomers.py.
-        """
-        wait = self.newcomers.members_wait(plan)
-        cause = p.Cause(p.CauseKind.NEWCOMER)
-        if wait is None or wait > 0 or not self.open_next(seen, cause):
-            return None
-        return cause
-
-    def _confirm_lost(self, lost: tuple[str, ...]) -> tuple[str, ...]:
-        """Members our copy misses that etcd still has mean the copy is wrong: re-read it.
-
-        One read per suspected loss (rare): tearing down a running job because a
-        watch dropped events would cost every node a restart.
-        """
-        kvs, _ = self._client.get_prefix(p.nodes_prefix(self.prefix))
-        registered = {p.node_id_from_key(kv.key) for kv in kvs}
-        if not registered & set(lost):
-            return lost
-        log.warning("our copy of etcd missed %d live node(s); reading it again",
-                    len(registered & set(lost)))
-        self.mirror.resync()
-        self._last_look = None
-        return tuple(node for node in lost if node not in registered)
-

@@ -4,11 +4,13 @@ Every time here is this agent's own monotonic clock: when its copy of etcd first
 saw a node key (PrefixMirror.first_seen). Timestamps written by other machines
 are never compared with it (protocol.py says why).
 
-Two agents open the round for a newcomer. The plan's first member has watched
+Two agents open the round for a newcomer. The opener (the plan's member ranked
+first among the deputies, deputies.py, which copy every node key) has watched
 the job for a while, so it saw every newcomer register and can tell a lone
 arrival (open at once) from a burst (wait for quiet). The newcomer itself is the
 backup: it cannot know how old the keys it found when it started are, so it
-counts them as just seen and waits up to the settle time. Opening is a
+counts them as just seen and waits up to the settle time; a newcomer that is no
+deputy sees no other node key and waits --settle-max. Opening is a
 compare-and-swap on the round key, so when both try, one round opens. Only one
 member tries, so a thousand members do not send a thousand transactions.
 
@@ -69,8 +71,11 @@ class LeftOut:
 
 class Newcomers:
     def __init__(self, mirror: PrefixMirror, config: RendezvousConfig,
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float],
+                 opener: Callable[[p.Plan], str | None] = lambda plan: plan.node_ids[0]):
         self._mirror = mirror
+        # Which member of a plan admits newcomers (the deputy ranked first in it).
+        self._opener = opener
         self._config = config
         self._clock = clock
         self._nodes = p.nodes_prefix(config.prefix)
@@ -89,21 +94,26 @@ class Newcomers:
         """Could a node of `nproc` workers join `plan` within --max-nodes/--max-workers?"""
         return d.has_room(plan, nproc, self._config.max_nodes, self._config.max_workers)
 
-    def own_wait(self) -> float:
-        """Seconds this node, outside a closed plan with room, waits before opening a round."""
+    def own_wait(self, registered_at: float) -> float:
+        """Seconds this node, outside a closed plan with room, waits before opening a round.
+
+        `registered_at`: when this node registered, on our clock.
+        """
         now = self._clock()
+        if not self._mirror.wide:  # no other node key in our copy: the opener decides
+            return max(0.0, registered_at + self._config.settle_max_s - now)
         registered = self.registered()
         own = registered.pop(self._config.node_id, now)
         return d.newcomer_wait(now, own, list(registered.values()), self._config.settle_s,
                                self._config.settle_max_s)
 
     def members_wait(self, plan: p.Plan) -> float | None:
-        """For the plan's first member: seconds before it opens a round for newcomers.
+        """For the plan's opener: seconds before it opens a round for newcomers.
 
-        None when this node is not that member or no live node outside the plan
+        None when this node is not the opener or no live node outside the plan
         would fit into it (a standby node of a full run waits for a departure).
         """
-        if not plan.members or plan.members[0].node_id != self._config.node_id:
+        if not plan.members or self._opener(plan) != self._config.node_id:
             return None
         now = self._clock()
         census = (plan.round, *self._mirror.census(self._nodes))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from typing import Callable
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
@@ -29,7 +30,6 @@ from elastic_runner.errors import (
 )
 from elastic_runner.etcd.client import EtcdClient, KeyValue
 from elastic_runner.etcd.lease import KeptLease
-from elastic_runner.etcd.mirror import PrefixMirror
 from elastic_runner.rendezvous import protocol as p
 
 # etcd checks for expired leases every 500 ms, and a leader change extends every
@@ -38,6 +38,8 @@ EXPIRY_SLACK_S = 2.0
 # Create attempts per registration: a key freed and taken again this often while we
 # tried means live agents are competing for the id.
 CLAIM_ATTEMPTS = 3
+# How often a dead holder's key is looked for while its lease runs out.
+HOLDER_POLL_S = 0.25
 
 
 def check_spec(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec) -> None:
@@ -79,13 +81,13 @@ def node_record(config: RendezvousConfig, wall_clock: Callable[[], float]) -> by
                        "registered_at": wall_clock()}).encode()
 
 
-def take_lease(client: EtcdClient, config: RendezvousConfig, mirror: PrefixMirror,
-               record: bytes, on_lost: Callable[[], None], attempts: int = 2) -> KeptLease:
+def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
+               on_lost: Callable[[], None], attempts: int = 2) -> KeptLease:
     """Grant a lease and create this node's key under it.
 
     A lease can expire between the grant and the create when this process is
     starved of CPU for longer than the TTL; a retry with a fresh lease turns
-    that into a delay instead of a crash. `mirror` must be started.
+    that into a delay instead of a crash.
 
     Raises:
         DuplicateNodeId: a live agent of this run holds our --node-id.
@@ -94,7 +96,7 @@ def take_lease(client: EtcdClient, config: RendezvousConfig, mirror: PrefixMirro
     retrying = Retrying(retry=retry_if_exception_type(LeaseNotFound),
                         stop=stop_after_attempt(attempts), reraise=True)
     try:
-        return retrying(_claim_under_new_lease, client, config, mirror, record, on_lost)
+        return retrying(_claim_under_new_lease, client, config, record, on_lost)
     except LeaseNotFound as exc:
         raise LeaseNotFound(
             f"node {config.node_id!r} could not register: {attempts} fresh leases expired "
@@ -103,11 +105,11 @@ def take_lease(client: EtcdClient, config: RendezvousConfig, mirror: PrefixMirro
             "--lease-ttl") from exc
 
 
-def _claim_under_new_lease(client: EtcdClient, config: RendezvousConfig, mirror: PrefixMirror,
-                           record: bytes, on_lost: Callable[[], None]) -> KeptLease:
+def _claim_under_new_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
+                           on_lost: Callable[[], None]) -> KeptLease:
     lease = KeptLease(client, config.lease_ttl_s, on_lost=on_lost)
     try:
-        claim(client, config, mirror, record, lease.id)
+        claim(client, config, record, lease.id)
         return lease
     except DuplicateNodeId:
         lease.revoke()
@@ -117,8 +119,7 @@ def _claim_under_new_lease(client: EtcdClient, config: RendezvousConfig, mirror:
         raise
 
 
-def claim(client: EtcdClient, config: RendezvousConfig, mirror: PrefixMirror, record: bytes,
-          lease_id: int) -> None:
+def claim(client: EtcdClient, config: RendezvousConfig, record: bytes, lease_id: int) -> None:
     """Create our node key under `lease_id`; wait out a dead holder, refuse a live one."""
     key = p.node_key(config.prefix, config.node_id)
     holder = None
@@ -130,23 +131,27 @@ def claim(client: EtcdClient, config: RendezvousConfig, mirror: PrefixMirror, re
             continue  # freed between our create and our read
         if holder.lease == lease_id:
             return  # our own create: its answer was lost and the retry found the key
-        if _outlives_lease(client, mirror, holder):
+        if _outlives_lease(client, holder):
             break
     raise DuplicateNodeId(duplicate_message(config, holder))
 
 
-def _outlives_lease(client: EtcdClient, mirror: PrefixMirror, holder: KeyValue) -> bool:
-    """Wait for `holder`'s lease to run out: True when its key is still there after."""
+def _outlives_lease(client: EtcdClient, holder: KeyValue) -> bool:
+    """Wait for `holder`'s lease to run out: True when its key is still there after.
+
+    Asked of etcd, not of our copy: most agents copy no node keys (deputies.py).
+    """
     if not holder.lease:
         return True  # written without a lease: it never expires
     remaining = max(client.lease_remaining(holder.lease), 0)  # -1 once expired
-    timeout_s = remaining + EXPIRY_SLACK_S
-    mirror.wait_revision(holder.mod_revision, timeout_s=timeout_s)
-
-    def gone() -> bool:
-        kv = mirror.get(holder.key)
-        return kv is None or kv.create_revision != holder.create_revision
-    return not mirror.wait_until(gone, timeout_s)
+    deadline = time.monotonic() + remaining + EXPIRY_SLACK_S
+    while True:
+        kv = client.get(holder.key)
+        if kv is None or kv.create_revision != holder.create_revision:
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(min(HOLDER_POLL_S, max(deadline - time.monotonic(), 0.0)))
 
 
 def duplicate_message(config: RendezvousConfig, holder: KeyValue | None) -> str:

@@ -21,7 +21,7 @@ from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous import registration
 from elastic_runner.rendezvous.engine import EtcdRendezvous
-from tests.integration.test_rendezvous_handler import Node, wait_for_agreement
+from tests.helpers.rdzv_nodes import Node, wait_for_agreement
 
 TTL_S = 2
 
@@ -93,7 +93,7 @@ def test_a_create_retried_after_a_lost_answer_finds_its_own_key(agent):
     rdzv = agent("retry", "a")
     rdzv.register()
     record = registration.node_record(rdzv._config, time.time)
-    registration.claim(rdzv._client, rdzv._config, rdzv.mirror, record, rdzv.lease.id)
+    registration.claim(rdzv._client, rdzv._config, record, rdzv.lease.id)
     assert holder_lease(rdzv) == rdzv.lease.id
 
 
@@ -102,11 +102,11 @@ def lease_expires_before_the_first(times: int, monkeypatch) -> list[int]:
     the agent is starved of CPU past the TTL between the grant and the create."""
     real, leases = registration.claim, []
 
-    def claim(client, config, mirror, record, lease_id):
+    def claim(client, config, record, lease_id):
         leases.append(lease_id)
         if len(leases) <= times:
             client.revoke_lease(lease_id)
-        return real(client, config, mirror, record, lease_id)
+        return real(client, config, record, lease_id)
     monkeypatch.setattr(registration, "claim", claim)
     return leases
 

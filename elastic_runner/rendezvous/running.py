@@ -1,0 +1,105 @@
+"""The half of EtcdRendezvous that serves a running plan (a mixin, split from
+engine.py for size): whether the plan still holds, and the deputies' duties while
+it runs (a member lost, newcomers due), the notices and the end of the run.
+
+Why only deputies look at node keys here: every member checking every node key
+each monitor tick needs every node key in every copy, N^2 events per round at a
+thousand nodes (deputies.py); a member that is no deputy learns of a change from
+the round key, which the deputy that saw it moves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from elastic_runner.rendezvous import decisions as d
+from elastic_runner.rendezvous import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """The round key as our copy holds it: its state and the revision a CAS compares."""
+
+    state: p.RoundState
+    mod_revision: int
+
+
+class WhileRunning:
+    """Uses the engine's copy, client, deputies, newcomers and round transactions."""
+
+    def notices(self, plan: p.Plan) -> list[str]:
+        """Members of `plan` that announced their departure during its round."""
+        found = []
+        for kv in self.mirror.children(p.notice_prefix(self.prefix)):
+            node = p.node_id_from_key(kv.key)
+            if node in plan.node_ids and json.loads(kv.value).get("round") == plan.round:
+                found.append(node)
+        return found
+
+    def finish(self, plan: p.Plan) -> None:
+        seen = self.current_round()
+        if seen and seen.state.number == plan.round and seen.state.state == p.CLOSED:
+            self._cas_round(seen, p.RoundState(plan.round, p.FINISHED,
+                                               p.Cause(p.CauseKind.FINISHED).text()))
+
+    def change_reason(self, plan: p.Plan) -> p.Cause | None:
+        """Why the workers of `plan` must stop, or None while the plan still holds."""
+        seen = self.current_round()
+        change = d.plan_change(plan.round, seen.state if seen else None,
+                               self.lease.lost.is_set())
+        if change is d.Watch.HOLDS:
+            return None
+        if change is not d.Watch.MEMBERS:
+            return change
+        if not self.deputies.ensure(self.lease.id):
+            return None  # a deputy sees members go and opens the round: its key tells us
+        return self._members_lost(seen, plan) or self._open_for_newcomers(seen, plan)
+
+    def _members_lost(self, seen: RoundView, plan: p.Plan) -> p.Cause | None:
+        """A deputy opens the next round once a member of `plan` lost its node key."""
+        departures = self.mirror.census(p.nodes_prefix(self.prefix))[1]
+        # Skipped while no node key was deleted since every member was seen live.
+        if self._members_checked == (plan.round, departures):
+            return None
+        lost = d.lost_members(plan, self._live_nodes())
+        if lost:
+            lost = self._confirm_lost(lost)
+        if lost:
+            cause = p.Cause.member_lost(lost)
+            self.open_next(seen, cause)
+            return cause
+        self._members_checked = (plan.round, departures)
+        return None
+
+    def _open_for_newcomers(self, seen: RoundView, plan: p.Plan) -> p.Cause | None:
+        """The plan's first member opens the next round once a newcomer is due.
+
+        It saw the newcomers register, so it tells a lone arrival (at once) from
+        a burst (after the settle quiet) on its own clock; see newcomers.py.
+        """
+        wait = self.newcomers.members_wait(plan)
+        cause = p.Cause(p.CauseKind.NEWCOMER)
+        if wait is None or wait > 0 or not self.open_next(seen, cause):
+            return None
+        return cause
+
+    def _confirm_lost(self, lost: tuple[str, ...]) -> tuple[str, ...]:
+        """Members our copy misses that etcd still has mean the copy is wrong: re-read it.
+
+        One read per suspected loss (rare): tearing down a running job because a
+        watch dropped events would cost every node a restart.
+        """
+        kvs, _ = self._client.get_prefix(p.nodes_prefix(self.prefix))
+        registered = {p.node_id_from_key(kv.key) for kv in kvs}
+        if not registered & set(lost):
+            return lost
+        log.warning("our copy of etcd missed %d live node(s); reading it again",
+                    len(registered & set(lost)))
+        self.mirror.resync()
+        self._last_look = None
+        return tuple(node for node in lost if node not in registered)
+

@@ -1,0 +1,103 @@
+"""Deputies against a real etcd: most agents copy only the round key (issue 17).
+
+With `deputies=1` a handful of threads shows what a thousand nodes do: one agent
+copies every key and decides; the others see O(1) events per round, however
+many nodes join it, and take over when the deputy goes.
+"""
+
+from __future__ import annotations
+
+from elastic_runner.errors import LeaseNotFound
+from elastic_runner.rendezvous import protocol as p
+from tests.helpers.rdzv_nodes import wait_for_agreement
+
+# Per round, a non-deputy member sees the round key open and close (two events),
+# whatever the number of nodes that join; one more leaves room for a finish.
+FOLLOWER_EVENTS_PER_ROUND = 3
+
+
+def split_roles(nodes):
+    """(the deputy, the others) as etcd's slot keys say."""
+    holders = nodes[0].rdzv.deputies.holders()
+    assert len(holders) == 1, holders
+    deputy = next(n for n in nodes if n.rdzv.node_id in holders)
+    return deputy, [n for n in nodes if n is not deputy]
+
+
+def events(nodes) -> list[int]:
+    return [n.rdzv.mirror.events_delivered for n in nodes]
+
+
+def test_a_member_that_is_no_deputy_sees_a_constant_number_of_events_per_round(node):
+    everyone = [node("fan-out", f"a{i}", 16, deputies=1) for i in range(4)]
+    start = wait_for_agreement(everyone, 4)
+    deputy, followers = split_roles(everyone)
+    assert deputy.rdzv.mirror.wide and not any(f.rdzv.mirror.wide for f in followers)
+    for joining in (1, 5):  # one newcomer, then a burst: rounds of 5 and of 10 joins
+        before, deputy_before = events(followers), deputy.rdzv.mirror.events_delivered
+        everyone += [node("fan-out", f"n{len(everyone) + i}", 16, deputies=1)
+                     for i in range(joining)]
+        plan = wait_for_agreement(everyone, len(everyone))
+        rounds = plan.round - start.round
+        per_round = [(after - was) / rounds for was, after in zip(before, events(followers))]
+        assert max(per_round) <= FOLLOWER_EVENTS_PER_ROUND, per_round
+        # The deputy saw every registration and every join of those rounds.
+        assert deputy.rdzv.mirror.events_delivered - deputy_before >= joining + len(everyone)
+        start = plan
+
+
+def test_a_deputy_that_leaves_is_replaced_and_the_next_round_closes(node):
+    nodes = [node("leave", f"a{i}", 8, deputies=1) for i in range(3)]
+    wait_for_agreement(nodes, 3)
+    deputy, followers = split_roles(nodes)
+    deputy.stop()  # revokes its lease: its node, join and slot keys go at once
+    plan = wait_for_agreement(followers, 2)
+    assert set(plan.node_ids) == {f.rdzv.node_id for f in followers}
+    new_deputy, _ = split_roles(followers)
+    assert new_deputy.rdzv.mirror.wide
+
+
+def test_a_crashed_deputy_is_replaced_once_its_lease_expires(node):
+    nodes = [node("crash", f"a{i}", 8, deputies=1, lease_ttl_s=2) for i in range(3)]
+    wait_for_agreement(nodes, 3)
+    deputy, followers = split_roles(nodes)
+    crash(deputy)
+    plan = wait_for_agreement(followers, 2)
+    assert set(plan.node_ids) == {f.rdzv.node_id for f in followers}
+    assert p.Cause.parse(plan.cause).kind is p.CauseKind.MEMBER_LOST
+    assert split_roles(followers)[0] in followers
+
+
+def crash(victim) -> None:
+    """As SIGKILL would leave it: no more keep-alives, no revoke; its keys stay until
+    the lease expires."""
+    victim._stop.set()
+    victim.rdzv.lease.stop()
+    victim.rdzv.shutdown.set()
+    victim.rdzv.mirror.stop()
+    victim.rdzv.mirror.wake()
+
+
+def test_a_join_refused_for_an_expired_lease_registers_again_and_joins(node):
+    """What a CPU-starved agent meets: its keep-alive came too late, etcd dropped the
+    lease, and the join write under it fails with "requested lease not found"."""
+    first = node("starved", "a0", 8, deputies=1)
+    wait_for_agreement([first], 1)
+    late = node("starved", "a1", 8, deputies=1, begin=False)
+    real_txn, refused = late.client.txn, []
+
+    def txn(compares, success, failure=()):
+        joins = [op for op in success if "/join/" in getattr(op, "key", "")]
+        if joins and not refused:
+            late.client.revoke_lease(joins[0].lease)  # the TTL ran out while it slept
+            try:
+                return real_txn(compares, success, failure)
+            except LeaseNotFound:
+                refused.append(joins[0].lease)
+                raise
+        return real_txn(compares, success, failure)
+    late.client.txn = txn
+    late.start()
+    plan = wait_for_agreement([first, late], 2)
+    assert refused and late.rdzv.lease.id != refused[0]
+    assert set(plan.node_ids) == {"a0", "a1"}
