@@ -128,6 +128,20 @@ def elastic_size(endpoint: str, n: int, churn: bool, args) -> dict:
     return res
 
 
+def idle(res: dict, meter: Meter, n: int, seconds: float = 3.0) -> None:
+    """CPU while nothing happens: each agent's monitor loop (change_reason every 0.1 s,
+    as the agent's) costs this per second in every phase, so a phase's CPU per agent is
+    its round's work plus this x its duration, and the slower the round on this
+    machine, the more of its CPU is idle ticks an agent on its own host would not
+    notice."""
+    before = meter.read()
+    time.sleep(seconds)
+    after = meter.read()
+    elapsed = after[0] - before[0]
+    res["idle_agent_cpu_ms_per_agent_s"] = 1000 * (after[2] - before[2]) / n / elapsed
+    res["idle_etcd_cpu_s_per_s"] = (after[3] - before[3]) / elapsed
+
+
 def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
     """Start, then (churn) one leave and one join; each phase timed, counted and CPU-metered."""
     run_id = f"scale-{n}-{os.getpid()}-{int(time.time())}"
@@ -142,6 +156,7 @@ def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
         res["start_last_registration_s"] = last_registration(endpoint, run_id) - group.go
         if got and churn:
             time.sleep(2.0)
+            idle(res, meter, n)
             leaver = group.names[n // 2]
             rest = [name for name in group.names if name != leaver]
             m2 = meter.read()
@@ -395,6 +410,20 @@ def growth_line(sizes: list[int], er_res: dict, tr_res: dict) -> str:
     return growth
 
 
+def idle_line(sizes: list[int], er_res: dict) -> str:
+    """Each size's idle CPU, and its phases' CPU less that idle share (the round's work)."""
+    parts = []
+    for n in sizes:
+        res, rate = er_res[n], er_res[n].get("idle_agent_cpu_ms_per_agent_s")
+        if rate is None:
+            continue
+        work = [f"{name} {res[f'{name}_agent_cpu_ms_per_agent'] - rate * res[f'{name}_s']:.1f}"
+                for name in ("start", "leave", "join") if res.get(f"{name}_s") is not None]
+        parts.append(f"N={n}: idle {rate:.2f} ms per agent per s; per agent per round less "
+                     f"idle ticks (ms): {', '.join(work)}")
+    return ("\n" + "\n".join(parts)) if parts else ""
+
+
 def report(args, sizes, er_res, tr_res, info, started) -> str:
     spread = (f"in {args.processes} processes" if args.processes else "in one process")
     ttls = sorted({er_res[n]["lease_ttl"] for n in sizes})
@@ -408,7 +437,7 @@ def report(args, sizes, er_res, tr_res, info, started) -> str:
                        "watch events per round (per agent)", "plan bytes", "torch c10d dynamic",
                        "torch state reads+writes per agent", "ratio er/torch"],
                       table_rows(sizes, er_res, tr_res))
-            + growth_line(sizes, er_res, tr_res)
+            + growth_line(sizes, er_res, tr_res) + idle_line(sizes, er_res)
             + "\nelastic-run's times are bounded by this machine: all N simulated agents share "
             f"{info['cores']} cores, so a round takes about N x (CPU per agent) / cores; an "
             "agent on its own machine spends the CPU per agent shown."

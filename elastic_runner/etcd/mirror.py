@@ -195,9 +195,10 @@ class PrefixMirror:
 
     def wait(self, timeout_s: float, generation: int) -> bool:
         """Sleep until something changed after `generation` (True), or the timeout."""
-        with self._changed:
-            return self._changed.wait_for(lambda: self._generation != generation,
-                                          timeout=max(timeout_s, 0))
+        with self._changed:  # no wait_for: every agent calls this each monitor tick
+            if self._generation == generation:
+                self._changed.wait(max(timeout_s, 0))
+            return self._generation != generation
 
     def wait_revision(self, revision: int, timeout_s: float) -> bool:
         """Wait until our copy includes `revision` (e.g. our own write)."""

@@ -35,12 +35,19 @@ class Deputies:
         self._node_id = node_id
         self._count = count
         self._visible_timeout_s = write_visible_timeout_s
-        # The slots' census at our last attempt: try again only once they changed.
-        self._tried_at: tuple[int, int] | None = None
+        # Answers kept while the slots' census is unchanged (slot keys are created
+        # once and never overwritten, so any change moves the census): the monitor
+        # loop of every agent asks each tick.
+        self._holders: tuple[tuple[int, int], dict[str, int]] | None = None
+        self._answer: tuple[tuple[int, int], int, bool] | None = None
 
     def holders(self) -> dict[str, int]:
         """Deputies now: node id -> lease of its slot key."""
-        return {kv.value.decode(): kv.lease for kv in self._mirror.children(self._slots)}
+        census = self._mirror.census(self._slots)  # before the keys: never newer than them
+        if self._holders is None or self._holders[0] != census:
+            self._holders = (census, {kv.value.decode(): kv.lease
+                                      for kv in self._mirror.children(self._slots)})
+        return self._holders[1]
 
     def holds(self, lease_id: int) -> bool:
         """Whether this agent holds a slot under `lease_id` (its current lease)."""
@@ -49,18 +56,24 @@ class Deputies:
     def ensure(self, lease_id: int) -> bool:
         """Take a free slot if there is one; True when this agent is a deputy.
 
-        Cheap when nothing changed (the monitor loop asks every tick): a failed
-        attempt is not repeated until the slots change.
+        Cheap when nothing changed (the monitor loop asks every tick): the answer
+        holds, and a failed attempt is not repeated, until the slots or our lease
+        change.
         """
+        census = self._mirror.census(self._slots)
+        if self._answer is not None and self._answer[:2] == (census, lease_id):
+            return self._answer[2]
+        self._answer = (census, lease_id, self._ensure(lease_id))
+        return self._answer[2]
+
+    def _ensure(self, lease_id: int) -> bool:
         if self.holds(lease_id):
             self._mirror.widen()
             return True
-        census = self._mirror.census(self._slots)
         taken = {p.node_id_from_key(kv.key) for kv in self._mirror.children(self._slots)}
         free = [slot for slot in range(self._count) if str(slot) not in taken]
-        if not free or census == self._tried_at:
+        if not free:
             return False
-        self._tried_at = census
         # Spread the agents that saw the same free slots over them, so one wave of
         # attempts fills them all.
         slot = free[zlib.crc32(self._node_id.encode()) % len(free)]

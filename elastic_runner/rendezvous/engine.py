@@ -92,6 +92,7 @@ class EtcdRendezvous(WhileRunning):
         self._joined: tuple[int, int] | None = None
         self._registered_at = clock()
         self._marked_in_place = False
+        self._quiet_at: tuple[int, int] | None = None  # running.py: change_reason
 
     # ---- membership -------------------------------------------------------------
     def register(self) -> None:
@@ -153,20 +154,29 @@ class EtcdRendezvous(WhileRunning):
 
     # ---- reading the mirror -----------------------------------------------------
     def current_round(self) -> RoundView | None:
+        """Parsed once per change: every agent asks on every monitor tick."""
         kv = self.mirror.get(p.round_key(self.prefix))
-        return RoundView(p.RoundState.from_json(kv.value), kv.mod_revision) if kv else None
+        return self._decode(kv, lambda kv: RoundView(p.RoundState.from_json(kv.value),
+                                                     kv.mod_revision)) if kv else None
 
     def plan(self, number: int) -> p.Plan | None:
-        """A round's plan: from our copy when it is wide, else read once from etcd
-        (a plan is written once, with its round's close, and never changes)."""
+        """A round's plan: from our copy when it is wide; else from the round key, which
+        carries the current round's plan once closed; else read once from etcd (a plan
+        is written once, with its round's close, and never changes)."""
         key = p.plan_key(self.prefix, number)
         if self.mirror.wide:
             kv = self.mirror.get(key)
-        elif key in self._decoded:
-            return self._decoded[key][1]
-        else:
-            kv = self._client.get(key)
-        return self._decode(kv, lambda kv: p.Plan.from_json(kv.value)) if kv else None
+            return self._decode(kv, lambda kv: p.Plan.from_json(kv.value)) if kv else None
+        if key not in self._decoded:
+            round_kv = self.mirror.get(p.round_key(self.prefix))
+            carried = p.plan_in_round(round_kv.value) if round_kv else None
+            if carried is None or carried.round != number:
+                kv = self._client.get(key)
+                carried = p.Plan.from_json(kv.value) if kv else None
+            if carried is None:
+                return None
+            self._decoded[key] = (0, carried)
+        return self._decoded[key][1]
 
     def _joiners(self, number: int) -> list[p.Joiner]:
         return [self._decode(kv, lambda kv: p.Joiner.from_json(kv.value, kv.create_revision))
@@ -196,10 +206,12 @@ class EtcdRendezvous(WhileRunning):
                 del per_round[old]
 
     # ---- transactions -----------------------------------------------------------
-    def _cas_round(self, seen: RoundView | None, new: p.RoundState, *extra: Put) -> bool:
+    def _cas_round(self, seen: RoundView | None, new: p.RoundState, *extra: Put,
+                   plan: p.Plan | None = None) -> bool:
         guard = (mod_revision_is(p.round_key(self.prefix), seen.mod_revision) if seen
                  else key_missing(p.round_key(self.prefix)))
-        result = self._client.txn([guard], [Put(p.round_key(self.prefix), new.to_json()), *extra])
+        result = self._client.txn([guard], [Put(p.round_key(self.prefix), new.to_json(plan)),
+                                            *extra])
         self._see_round_move(seen, result.revision)
         return result.succeeded
 
@@ -482,4 +494,4 @@ class EtcdRendezvous(WhileRunning):
             return
         plan = dataclasses.replace(plan, restart_count=verdict.restart_count)
         self._cas_round(seen, p.RoundState(number, p.CLOSED, seen.state.cause),
-                        Put(p.plan_key(self.prefix, number), plan.to_json()))
+                        Put(p.plan_key(self.prefix, number), plan.to_json()), plan=plan)

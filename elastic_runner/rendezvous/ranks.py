@@ -70,10 +70,11 @@ def build_plan(number: int, ordered: list[Joiner], max_nodes: int, restart_count
     """Take joiners in order up to max_nodes (and max_workers, skipping nodes that
     would overshoot it); node ranks contiguous, global ranks in per-node blocks."""
     chosen: list[Joiner] = []
+    workers = 0
     for joiner in ordered:
-        total = sum(j.nproc for j in chosen) + joiner.nproc
-        if len(chosen) < max_nodes and (not max_workers or total <= max_workers):
+        if len(chosen) < max_nodes and (not max_workers or workers + joiner.nproc <= max_workers):
             chosen.append(joiner)
+            workers += joiner.nproc
     members, first_rank = [], 0
     for node_rank, joiner in enumerate(chosen):
         members.append(Member(joiner.node_id, node_rank, joiner.nproc, joiner.addr, first_rank,

@@ -47,7 +47,21 @@ class WhileRunning:
                                                p.Cause(p.CauseKind.FINISHED).text()))
 
     def change_reason(self, plan: p.Plan) -> p.Cause | None:
-        """Why the workers of `plan` must stop, or None while the plan still holds."""
+        """Why the workers of `plan` must stop, or None while the plan still holds.
+
+        Asked every monitor tick; a non-deputy's answer depends only on its copy and
+        its lease (whose loss wakes the copy), so while the copy's generation stands
+        still the last "holds" stands too, at the cost of one read.
+        """
+        quiet = (plan.round, self.mirror.generation)
+        if quiet == self._quiet_at:
+            return None
+        reason = self._change_reason(plan)
+        if reason is None and not self.mirror.wide:
+            self._quiet_at = quiet
+        return reason
+
+    def _change_reason(self, plan: p.Plan) -> p.Cause | None:
         seen = self.current_round()
         change = d.plan_change(plan.round, seen.state if seen else None,
                                self.lease.lost.is_set())

@@ -159,7 +159,7 @@ class Job:
         """Node ids registered in etcd right now (their leases are alive)."""
         client = self._client()
         try:
-            entries, _ = client.get_prefix(f"/elastic-runner/v1/{self.run_id}/nodes/")
+            entries, _ = client.get_prefix(f"/elastic-runner/v2/{self.run_id}/nodes/")
         finally:
             client.close()
         return {kv.key.rsplit("/", 1)[-1] for kv in entries}
@@ -167,7 +167,7 @@ class Job:
     def etcd_keys(self, under: str) -> list[str]:
         client = self._client()
         try:
-            entries, _ = client.get_prefix(f"/elastic-runner/v1/{self.run_id}/{under}")
+            entries, _ = client.get_prefix(f"/elastic-runner/v2/{self.run_id}/{under}")
         finally:
             client.close()
         return [kv.key for kv in entries]
@@ -175,7 +175,7 @@ class Job:
     def etcd_get(self, key: str) -> bytes | None:
         client = self._client()
         try:
-            kv = client.get(f"/elastic-runner/v1/{self.run_id}/{key}")
+            kv = client.get(f"/elastic-runner/v2/{self.run_id}/{key}")
         finally:
             client.close()
         return kv.value if kv else None

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-PREFIX = "/elastic-runner/v1/sharded/"
+PREFIX = "/elastic-runner/v2/sharded/"
 SAMPLES, GLOBAL_BATCH = 96, 8
 PHASES = (("A", 4), ("B", 2), ("C", 3), ("D", 6))
 

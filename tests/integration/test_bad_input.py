@@ -105,7 +105,7 @@ def running_agent(ctx: Context) -> None:
     client = EtcdClient(EtcdConfig((endpoint,), 2.0, 5.0))
     ctx.stack.callback(client.close)
     deadline = time.monotonic() + 45
-    while not client.get_prefix("/elastic-runner/v1/same/nodes/")[0]:
+    while not client.get_prefix("/elastic-runner/v2/same/nodes/")[0]:
         if agent.poll() is not None or time.monotonic() > deadline:
             pytest.fail("agent 1 did not register; its output:\n"
                         + (ctx.tmp_path / "agent1.log").read_text(errors="replace"))
@@ -114,13 +114,14 @@ def running_agent(ctx: Context) -> None:
 
 
 def old_schema_run(ctx: Context) -> None:
-    """etcd holding keys of run 'old' written under the v0 layout."""
+    """etcd holding keys of run 'old' written under the v1 layout (before deputies and
+    columnar plans): what an upgrade in the middle of a run finds."""
     from elastic_runner.config import EtcdConfig
     from elastic_runner.etcd.client import EtcdClient
 
     endpoint = ctx.request.getfixturevalue("etcd").endpoint
     client = EtcdClient(EtcdConfig((endpoint,), 2.0, 5.0))
-    client.put("/elastic-runner/v0/old/round", b"7")
+    client.put("/elastic-runner/v1/old/round", b"7")
     client.close()
     ctx.values["endpoint"] = endpoint
 

@@ -11,7 +11,7 @@ from elastic_runner.config import EtcdConfig
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
 
-PREFIX = "/elastic-runner/v1/fence/"
+PREFIX = "/elastic-runner/v2/fence/"
 
 
 def context(endpoint: str, round_number: int) -> tuple:

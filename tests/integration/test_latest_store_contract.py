@@ -22,7 +22,7 @@ def store(request):
         yield MemoryLatestStore()
         return
     etcd = request.getfixturevalue("etcd")
-    created = EtcdLatestStore((etcd.endpoint,), "/elastic-runner/v1/contract/", 0)
+    created = EtcdLatestStore((etcd.endpoint,), "/elastic-runner/v2/contract/", 0)
     yield created
     created.close()
 

@@ -69,7 +69,7 @@ def auth_etcd():
         etcdctl(server, "user", "add", "root:rootpw")
         etcdctl(server, "role", "add", "trainer")
         etcdctl(server, "role", "grant-permission", "trainer", "--prefix=true", "readwrite",
-                "/elastic-runner/v1/authjob/")
+                "/elastic-runner/v2/authjob/")
         etcdctl(server, "user", "add", f"alice:{PASSWORD}")
         etcdctl(server, "user", "grant-role", "alice", "trainer")
         etcdctl(server, "auth", "enable", user="root:rootpw")

@@ -106,7 +106,7 @@ def test_a_retracted_checkpoint_record_reads_as_none_verified(etcd):
 
     client = connect(EtcdConfig((etcd.endpoint,), 2.0, 5.0))
     try:
-        prefix = "/elastic-runner/v1/rotten/"
+        prefix = "/elastic-runner/v2/rotten/"
         client.put(prefix + "round", json.dumps({"number": 0, "state": "open",
                                                  "cause": "start"}).encode())
         client.put(prefix + "checkpoint/latest", json.dumps(NO_CHECKPOINT).encode())

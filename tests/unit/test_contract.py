@@ -21,7 +21,7 @@ def test_worker_env_round_trips_through_the_environment():
                      master_port=29500, restart_count=2, max_restarts=3, run_id="job7",
                      error_file="/e/rank5.json", round=4,
                      etcd_endpoints=("http://a:2379", "http://b:2379"),
-                     etcd_prefix="/elastic-runner/v1/job7/", etcd_cacert="ca.pem",
+                     etcd_prefix="/elastic-runner/v2/job7/", etcd_cacert="ca.pem",
                      etcd_user="alice", etcd_password_file="/s/pw", notice_path="/s/notice",
                      progress_dir="/s/progress", events_path="/logs/events.jsonl")
     env = sent.to_env()

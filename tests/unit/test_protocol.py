@@ -281,7 +281,7 @@ def test_spec_conflict_names_differing_fields(mine, fields):
 
 # ---- key names ------------------------------------------------------------------
 def test_key_names_prefixed_and_distinct():
-    prefix = "/elastic-runner/v1/job/"
+    prefix = "/elastic-runner/v2/job/"
     keys = [
         p.spec_key(prefix), p.round_key(prefix), p.nodes_prefix(prefix),
         p.node_key(prefix, "a"), p.node_key(prefix, "b"),
@@ -302,7 +302,7 @@ def test_key_names_prefixed_and_distinct():
 @PROPS
 @given(st.integers(0, 10**6), st.integers(0, 10**6), NODE_IDS, NODE_IDS)
 def test_round_keys_differ_per_round_and_node(r1, r2, n1, n2):
-    prefix = "/elastic-runner/v1/run/"
+    prefix = "/elastic-runner/v2/run/"
     for make in (p.plan_key, p.failure_key, p.join_prefix):
         assert make(prefix, r1).startswith(prefix)
         assert (make(prefix, r1) == make(prefix, r2)) is (r1 == r2)
@@ -376,10 +376,10 @@ def test_members_open_wait_is_the_soonest_newcomer_rule(registered, data, now, s
 
 
 def test_the_key_layout_parses_only_its_own_keys():
-    assert p.run_prefix("job7") == "/elastic-runner/v1/job7/"
-    assert p.split_run_key("/elastic-runner/v1/job7/rounds/3/plan") == ("job7", "rounds/3/plan")
+    assert p.run_prefix("job7") == "/elastic-runner/v2/job7/"
+    assert p.split_run_key("/elastic-runner/v2/job7/rounds/3/plan") == ("job7", "rounds/3/plan")
     assert p.split_run_key("/elastic-runner/v0/job7/round") is None
-    assert p.split_run_key("/elastic-runner/v1/job7") is None
+    assert p.split_run_key("/elastic-runner/v2/job7") is None
     assert p.round_of("rounds/12/join/a") == 12
     assert p.round_of("rounds/x/plan") is None and p.round_of("nodes/a") is None
     assert p.round_of("rounds/3") is None
