@@ -20,7 +20,9 @@ fewer every agent is a deputy, which is how every run of a few nodes behaves.
 from __future__ import annotations
 
 import zlib
+from typing import Callable
 
+from elastic_runner.errors import LeaseNotFound
 from elastic_runner.etcd.client import EtcdClient, Put, key_missing
 from elastic_runner.etcd.mirror import PrefixMirror
 from elastic_runner.rendezvous import protocol as p
@@ -28,13 +30,17 @@ from elastic_runner.rendezvous import protocol as p
 
 class Deputies:
     def __init__(self, client: EtcdClient, mirror: PrefixMirror, prefix: str, node_id: str,
-                 count: int, write_visible_timeout_s: float):
+                 count: int, write_visible_timeout_s: float,
+                 lease_gone: Callable[[str], None]):
         self._client = client
         self._mirror = mirror
         self._slots = p.deputy_prefix(prefix)
         self._node_id = node_id
         self._count = count
         self._visible_timeout_s = write_visible_timeout_s
+        # etcd refused a slot under our lease: the owner registers again (a starved
+        # agent's lease can expire before its keep-alive thread hears of it).
+        self._lease_gone = lease_gone
         # Answers kept while the slots' census is unchanged (slot keys are created
         # once and never overwritten, so any change moves the census): the monitor
         # loop of every agent asks each tick.
@@ -78,8 +84,12 @@ class Deputies:
         # attempts fills them all.
         slot = free[zlib.crc32(self._node_id.encode()) % len(free)]
         key = f"{self._slots}{slot}"
-        result = self._client.txn([key_missing(key)],
-                                  [Put(key, self._node_id.encode(), lease_id)])
+        try:
+            result = self._client.txn([key_missing(key)],
+                                      [Put(key, self._node_id.encode(), lease_id)])
+        except LeaseNotFound as exc:
+            self._lease_gone(f"etcd refused our deputy slot ({exc})")
+            return False
         if not result.succeeded:
             return False
         if self._mirror.wide:

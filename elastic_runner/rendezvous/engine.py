@@ -75,7 +75,8 @@ class EtcdRendezvous(WhileRunning):
         self.mirror = PrefixMirror(client, self.prefix, ignore=p.is_passive_key, clock=clock,
                                    narrow=p.shared_range(self.prefix))
         self.deputies = Deputies(client, self.mirror, self.prefix, self.node_id,
-                                 config.deputies, config.write_visible_timeout_s)
+                                 config.deputies, config.write_visible_timeout_s,
+                                 lease_gone=lambda why: self.lease.mark_lost(why))
         self.newcomers = Newcomers(self.mirror, config, clock, opener=self.deputies.opener)
         self.lease: KeptLease | None = None
         self.shutdown = threading.Event()

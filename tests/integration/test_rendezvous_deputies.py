@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from elastic_runner.errors import LeaseNotFound
 from elastic_runner.rendezvous import protocol as p
-from tests.helpers.rdzv_nodes import wait_for_agreement
+from tests.helpers.rdzv_nodes import wait_for, wait_for_agreement
 
 # Per round, a non-deputy member sees the round key open and close (two events),
 # whatever the number of nodes that join; one more leaves room for a finish.
@@ -101,3 +101,22 @@ def test_a_join_refused_for_an_expired_lease_registers_again_and_joins(node):
     plan = wait_for_agreement([first, late], 2)
     assert refused and late.rdzv.lease.id != refused[0]
     assert set(plan.node_ids) == {"a0", "a1"}
+
+
+def test_a_deputy_slot_refused_for_an_expired_lease_registers_again(node):
+    """A starved agent may find its lease gone when it tries a freed slot: the agent
+    registers again instead of dying with "requested lease not found"."""
+    first, late = (node("slot", f"a{i}", 8, deputies=1, begin=False) for i in range(2))
+    first.rdzv.register()
+    late.rdzv.register()
+    assert first.rdzv.deputies.holds(first.rdzv.lease.id)
+    stale = late.rdzv.lease.id
+    late.rdzv.lease.stop()  # its keep-alive is starved: it has not heard yet
+    late.client.revoke_lease(stale)
+    first.rdzv.leave()  # frees the slot
+    wait_for(lambda: not late.rdzv.deputies.holders(), "the slot to go", [late])
+    assert late.rdzv.deputies.ensure(stale) is False
+    assert late.rdzv.lease.lost.is_set()
+    plan = late.rdzv.next_plan(None, p.Cause(p.CauseKind.START))
+    assert plan.node_ids == ("a1",) and late.rdzv.lease.id != stale
+    assert late.rdzv.deputies.holds(late.rdzv.lease.id)
