@@ -37,7 +37,7 @@ num_nodes_waiting() every 0.1 s (torchrun's monitor interval). Requests =
 backend get_state/set_state calls (each one reads or writes the whole state).
 
     .venv/bin/python bench/rendezvous_scale.py --sizes 8,64,256,1024 --processes 8
-    .venv/bin/python bench/rendezvous_scale.py --sizes 8,64 --no-torch --out /tmp/rs.json
+    .venv/bin/python bench/rendezvous_scale.py --sizes 8,64 --no-torch --out rs-trial.json
 
 Without --out the results go to bench/results/ and bench/latest/rendezvous_scale.json;
 with it, only to that file (trial runs leave the published figures alone).
