@@ -284,7 +284,7 @@ def watch(client, console, args) -> int:
     prefix = run_prefix(args.run_id) if args.run_id else f"{p.SCHEMA_PREFIX}/"
     _, revision = client.get_prefix(prefix + "\0")  # just the store revision
     handle = client.watch_prefix(prefix, revision + 1, lambda evs: changes.put(
-        [e for e in evs if "/store/" not in e.key]))
+        [e for e in evs if not is_store_key(e.key)]))
     try:
         while True:
             if console.is_terminal and not args.json:
@@ -299,6 +299,15 @@ def watch(client, console, args) -> int:
         return 0
     finally:
         handle.cancel()
+
+
+def is_store_key(key: str) -> bool:
+    """torch's store traffic (`rounds/<n>/store/`), judged below the run prefix: a run
+    id "store" is valid, and its every key held "/store/"."""
+    split = p.split_run_key(key)
+    if split is None or p.round_of(split[1]) is None:
+        return False
+    return split[1].split("/")[2] == "store"
 
 
 def _drain(changes: queue.Queue) -> bool:

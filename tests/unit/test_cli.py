@@ -332,3 +332,15 @@ def test_password_is_never_a_flag_value(script):
     with pytest.raises((ConfigError, SystemExit)) as info:
         config_for(["--etcd-password", "s3cr3t-typed", script])
     assert "s3cr3t-typed" not in str(info.value)
+
+
+@pytest.mark.parametrize("key, store", [
+    ("/elastic-runner/v2/job/rounds/3/store/rank0", True),
+    ("/elastic-runner/v2/store/round", False),  # a run named "store": its round matters
+    ("/elastic-runner/v2/store/rounds/2/plan", False),
+    ("/elastic-runner/v2/store/rounds/2/store/key", True),
+    ("/elastic-runner/v2/job/nodes/store", False),
+])
+def test_status_watch_ignores_only_torch_store_keys(key, store):
+    from elastic_runner.cli.status import is_store_key
+    assert is_store_key(key) is store
