@@ -145,8 +145,9 @@ def idle(res: dict, meter: Meter, n: int, seconds: float = 3.0) -> None:
 def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
     """Start, then (churn) one leave and one join; each phase timed, counted and CPU-metered."""
     run_id = f"scale-{n}-{os.getpid()}-{int(time.time())}"
-    res = {"n": n, "processes": args.processes}
-    group = ProcessGroupAgents(endpoint, run_id, n, args.processes, args, True)
+    processes = min(args.processes, n)
+    res = {"n": n, "processes": processes}
+    group = ProcessGroupAgents(endpoint, run_id, n, processes, args, True)
     meter = Meter(endpoint, [child.pid for child in group.children], args.etcd_pid)
     try:
         m0 = meter.read()
@@ -326,8 +327,9 @@ def parse_args():
                     help=f"for every size (default: {AUTO_TTL_SMALL_S} s below N={AUTO_TTL_FROM_N}, "
                          f"{AUTO_TTL_LARGE_S} s from there)")
     ap.add_argument("--processes", type=int, default=8,
-                    help="spread elastic-run's simulated agents over this many processes "
-                         "(0: threads in this process, a client each; too many channels for N >= 256)")
+                    help="spread elastic-run's simulated agents over up to this many processes "
+                         "(at most one per agent; 0: threads in this process, a client each; "
+                         "too many channels for N >= 256)")
     ap.add_argument("--out", type=Path, default=None,
                     help="write the JSON here only, not to bench/results and bench/latest")
     return ap.parse_args()
@@ -425,7 +427,8 @@ def idle_line(sizes: list[int], er_res: dict) -> str:
 
 
 def report(args, sizes, er_res, tr_res, info, started) -> str:
-    spread = (f"in {args.processes} processes" if args.processes else "in one process")
+    spread = (f"in up to {args.processes} processes (one per agent at most)" if args.processes
+              else "in one process")
     ttls = sorted({er_res[n]["lease_ttl"] for n in sizes})
     ttl = (f"{ttls[0]}s" if len(ttls) == 1 else
            "by N " + ", ".join(f"{n}: {er_res[n]['lease_ttl']}s" for n in sizes))
