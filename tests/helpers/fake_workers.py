@@ -7,6 +7,15 @@ from pathlib import Path
 
 from elastic_runner.agent.workers import WorkerExit
 from elastic_runner.contract import EXIT_FOR_RESIZE
+from elastic_runner.errors import exit_code_for
+
+
+def run_as_the_cli(agent) -> tuple[int, Exception | None]:
+    """(exit code, error) of `agent.run()` the way the CLI computes it (errors.py's map)."""
+    try:
+        return agent.run(), None
+    except Exception as exc:
+        return exit_code_for(exc), exc
 
 
 class ExitQueries:

@@ -18,10 +18,9 @@ from pathlib import Path
 
 from elastic_runner.agent.agent import Agent
 from elastic_runner.agent.workers import WorkerExit
-from tests.helpers.fake_workers import ExitQueries
+from tests.helpers.fake_workers import ExitQueries, run_as_the_cli
 from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, WorkerConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE
-from elastic_runner.errors import exit_code_for
 from elastic_runner.reform import (
     COLLECTIVE_ERROR, FAILED, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, Assignment,
     ReformChannel, WorkerState,
@@ -307,10 +306,8 @@ class Node:
 
     def run(self) -> int:
         try:
-            return self.agent.run()
-        except Exception as exc:
-            self.error = exc
-            return exit_code_for(exc)
+            code, self.error = run_as_the_cli(self.agent)
+            return code
         finally:
             for group in self.groups:
                 group._end()

@@ -20,11 +20,11 @@ import pytest
 
 from elastic_runner.agent.agent import Agent
 from elastic_runner.agent.workers import WorkerExit
-from tests.helpers.fake_workers import ExitQueries
+from tests.helpers.fake_workers import ExitQueries, run_as_the_cli
 from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, WorkerConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE
 from elastic_runner.errors import (
-    EXIT_CODES, EtcdUnavailable, ShutdownRequested, WorkerFailure, exit_code_for,
+    EXIT_CODES, EtcdUnavailable, ShutdownRequested, WorkerFailure,
 )
 from elastic_runner.rendezvous.failures import failure_message
 from elastic_runner.rendezvous.protocol import Cause, CauseKind, Member, Plan
@@ -234,12 +234,8 @@ class Node:
         return FakeWorkers(plan, job, self.journal, *self._script)
 
     def run(self) -> int:
-        """The agent's exit code the way the CLI computes it (errors.py's map)."""
-        try:
-            return self.agent.run()
-        except Exception as exc:
-            self.error = exc
-            return exit_code_for(exc)
+        code, self.error = run_as_the_cli(self.agent)
+        return code
 
 
 # ---- spot notices -----------------------------------------------------------------
