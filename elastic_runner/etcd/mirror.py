@@ -56,7 +56,7 @@ class PrefixMirror:
         # Which watch feeds the copy: events of an earlier one (cancelled by a resync,
         # still delivering for a moment, or over other keys) must not be applied.
         self._epoch = 0
-        # Watch events received (before `ignore`): what etcd sent this copy.
+        # Watch events the current watch delivered (before `ignore`): what etcd sent.
         self.events_delivered = 0
 
     @property
@@ -111,13 +111,13 @@ class PrefixMirror:
         self.wake()
 
     def _apply(self, events: list[WatchEvent], epoch: int) -> None:
-        self.events_delivered += len(events)
-        events = [e for e in events if not self._ignore(e.key)]
-        if not events:
-            return
         now = self._clock()
         with self._changed:
             if epoch != self._epoch:
+                return
+            self.events_delivered += len(events)
+            events = [e for e in events if not self._ignore(e.key)]
+            if not events:
                 return
             for event in events:
                 if event.mod_revision <= self._revision:

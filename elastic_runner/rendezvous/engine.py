@@ -434,7 +434,8 @@ class EtcdRendezvous(WhileRunning):
         return look, previous, closer
 
     def _follower_wait(self, number: int, deadline: float) -> float:
-        """A non-deputy in an open round waits for the round key (a deputy closes it)."""
+        """A non-deputy waits for the round key (a deputy closes it); past --join-timeout
+        it counts joins itself (workers taken as joins x its nproc: it has no join record)."""
         remaining = deadline - self._clock()
         if remaining > 0:
             return min(FOLLOWER_LOOK_S, remaining)

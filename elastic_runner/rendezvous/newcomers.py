@@ -71,8 +71,7 @@ class LeftOut:
 
 class Newcomers:
     def __init__(self, mirror: PrefixMirror, config: RendezvousConfig,
-                 clock: Callable[[], float],
-                 opener: Callable[[p.Plan], str | None] = lambda plan: plan.node_ids[0]):
+                 clock: Callable[[], float], opener: Callable[[p.Plan], str | None]):
         self._mirror = mirror
         # Which member of a plan admits newcomers (the deputy ranked first in it).
         self._opener = opener

@@ -35,6 +35,7 @@ from elastic_runner.config import EtcdConfig, RendezvousConfig
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous.engine import EtcdRendezvous
+from tests.helpers.rdzv_nodes import follow_rounds
 
 SETTLE_S = 1.0
 # Starved agents wait long for a round; the test's own deadline ends a stuck run.
@@ -77,7 +78,7 @@ class Report:
 
 
 class Agent:
-    """The agent's rendezvous loop without workers, as test_rendezvous_handler.Node runs it."""
+    """One agent of the crowd: rdzv_nodes.follow_rounds, each plan reported."""
 
     def __init__(self, client: EtcdClient, args, node_id: str, report: Report):
         config = RendezvousConfig(args.run_id, node_id, min_nodes=1, max_nodes=args.max_nodes,
@@ -92,14 +93,7 @@ class Agent:
     def _run(self) -> None:
         try:
             self.rdzv.register()
-            plan = self._got(self.rdzv.next_plan(None, p.Cause(p.CauseKind.START)))
-            while not self.stopping.is_set():
-                marker = self.rdzv.change_marker()
-                reason = self.rdzv.change_reason(plan)
-                if reason:
-                    plan = self._got(self.rdzv.next_plan(plan, reason))
-                else:
-                    self.rdzv.wait_for_change(0.1, marker)
+            follow_rounds(self.rdzv, self._got, self.stopping)
         except BaseException as exc:  # noqa: BLE001 - the test reads and reports it
             if not self.stopping.is_set():
                 self._report.write({"node": self.node_id,

@@ -16,6 +16,20 @@ from elastic_runner.rendezvous.protocol import JobSpec
 SETTLE_S = 1.5
 
 
+def follow_rounds(rdzv: EtcdRendezvous, on_plan, stopping: threading.Event) -> None:
+    """The agent's loop around a registered rendezvous, without workers: the first
+    plan, then change_reason every 0.1 s (the agent's monitor tick) or on a change,
+    and the next plan when the old one stops holding. `on_plan` returns the plan."""
+    plan = on_plan(rdzv.next_plan(None, p.Cause(p.CauseKind.START)))
+    while not stopping.is_set():
+        marker = rdzv.change_marker()
+        reason = rdzv.change_reason(plan)
+        if reason:
+            plan = on_plan(rdzv.next_plan(plan, reason))
+        else:
+            rdzv.wait_for_change(0.1, marker)
+
+
 class Node:
     """One agent's rendezvous loop, without workers: join, then watch for changes.
 
@@ -46,14 +60,7 @@ class Node:
     def _run(self) -> None:
         try:
             self.rdzv.register()
-            plan = self._admitted(self.rdzv.next_plan(None, p.Cause(p.CauseKind.START)))
-            while not self._stop.is_set():
-                generation = self.rdzv.mirror.generation
-                reason = self.rdzv.change_reason(plan)
-                if reason:
-                    plan = self._admitted(self.rdzv.next_plan(plan, reason))
-                else:
-                    self.rdzv.mirror.wait(0.1, generation)
+            follow_rounds(self.rdzv, self._admitted, self._stop)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             if not self._stop.is_set():
                 self.error = exc
