@@ -16,9 +16,9 @@ that N's plan.
 
 Assumptions, printed with the table: every member of the cluster applies every write
 (raft), requests and watch streams are spread evenly over the 3 members, 3 deputies,
-node ids of ~8 bytes; "distinct addresses" adds ~12 bytes per member (an IPv4 address
-per node, measured 21,177 bytes at 1,024 members); the agents' own CPU per round is
-the measured round work (idle ticks taken out) plus parsing the larger plan.
+node ids of ~8 bytes; "distinct addresses" gives every node its own IPv4 address (the
+extra bytes measured on a 1,024-member plan); the agents' own CPU per round is the
+measured round work (idle ticks taken out) plus parsing the larger plan (timed here).
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ import common as c  # noqa: E402
 DEPUTIES = 3
 MEMBERS = 3
 SIZES = (4096, 16384)
-DISTINCT_ADDR_BYTES = 12.0  # 21,177 vs 8,350 bytes at 1,024 members
-PARSE_MS_PER_1024 = 0.6  # Plan.from_dict of 1,024 members, this machine (2.0 before issue 17)
 
 
 def write_cost_s(count: int = 1024) -> float:
@@ -80,18 +78,35 @@ def fanout_cost_s_per_byte(res: dict, write_s: float) -> float:
     return max(sum(costs) / len(costs), 0.0)
 
 
+def plan_costs(n: int = 1024) -> tuple[float, float]:
+    """(bytes a distinct address per node adds per member, ms to parse n members),
+    measured on a plan of n members like the benchmark's."""
+    import timeit
+
+    from elastic_runner.rendezvous import protocol as p
+    from elastic_runner.rendezvous.ranks import build_plan
+
+    def plan(addr) -> p.Plan:
+        joiners = [p.Joiner(f"s{i:04d}", addr(i), 29500, 1, i) for i in range(n)]
+        return build_plan(0, joiners, n, 0, "start")
+    same = plan(lambda i: "127.0.0.1").to_json()
+    distinct = plan(lambda i: f"10.{i // 65536}.{i // 256 % 256}.{i % 256}").to_json()
+    parse_s = min(timeit.repeat(lambda: p.Plan.from_json(same), number=10, repeat=3)) / 10
+    return (len(distinct) - len(same)) / n, parse_s * 1e3
+
+
 def estimate(n: int, write_s: float, byte_s: float, bytes_per_member: float,
-             work_ms: float) -> list[str]:
+             work_ms: float, distinct_bytes: float, parse_ms: float) -> list[str]:
     requests = n + 1  # the joins, and the newcomer's registration
     events = 2 * (n - DEPUTIES) + DEPUTIES * (n + 1)
-    plans = [bytes_per_member * n, (bytes_per_member + DISTINCT_ADDR_BYTES) * n]
+    plans = [bytes_per_member * n, (bytes_per_member + distinct_bytes) * n]
     # Every member applies every write; watch streams are spread over the members.
     cpu = [write_s * requests + byte_s * n * plan / MEMBERS for plan in plans]
     return [f"N={n:,}", f"{requests:,}", f"{events:,}",
             " / ".join(f"{plan / 1e3:,.0f}" for plan in plans) + " KB",
             " / ".join(f"{n * plan / 1e6:,.0f}" for plan in plans) + " MB",
             " / ".join(f"{seconds:,.2f}" for seconds in cpu) + " s",
-            f"{work_ms + PARSE_MS_PER_1024 * (n / 1024 - 1):.1f} ms"]
+            f"{work_ms + parse_ms * (n / 1024 - 1):.1f} ms"]
 
 
 def main() -> None:
@@ -108,11 +123,15 @@ def main() -> None:
     idle = largest.get("idle_agent_cpu_ms_per_agent_s", 0.0)
     work_ms = min(largest[f"{p}_agent_cpu_ms_per_agent"] - idle * largest[f"{p}_s"]
                   for p in ("leave", "join"))
-    rows = [estimate(size, write_s, byte_s, bytes_per_member, work_ms) for size in (n, *SIZES)]
+    distinct_bytes, parse_ms = plan_costs()
+    rows = [estimate(size, write_s, byte_s, bytes_per_member, work_ms, distinct_bytes, parse_ms)
+            for size in (n, *SIZES)]
     print(f"measured: {write_s * 1e3:.3f} ms of etcd CPU per join write (here, 1,024 "
           f"writes); {byte_s * 1e9:.1f} ms per MB of plan fanned out to watchers (the N={n} "
           f"leave and join rounds' etcd CPU less their writes); plan {bytes_per_member:.1f} "
-          f"bytes per member; agent round work {work_ms:.1f} ms (CPU per agent less idle)\n")
+          f"bytes per member (+{distinct_bytes:.1f} with a distinct address per node); agent "
+          f"round work {work_ms:.1f} ms (CPU per agent less idle), +{parse_ms:.2f} ms per "
+          f"1,024 more members to parse\n")
     print(c.table(["one leave or join round", "etcd requests", "watch events",
                    "plan (same / distinct addrs)", "plan bytes fanned out",
                    "etcd CPU per member (same / distinct)", "agent CPU per agent"], rows))
