@@ -25,6 +25,10 @@ The sequence (`InProcessReform.run`), for round r:
 4. write each worker its place in the new round (same local rank, new global rank),
    or, when this node is not in it, `leave` and wait for them to exit;
 5. wait until every worker reported TRAINING for the new round: at most `form_s`.
+   Meanwhile the rendezvous is watched: a member of the new round lost before its
+   group formed calls the round off (`_FormingWatch`): the workers stop forming it and
+   report PAUSED in it, and the next re-formation starts from there at once instead
+   of after the formation timeout.
 Anything that goes wrong on the way (a worker FAILED or exited, a bound passed, this
 node's worker count changed) ends in the fallback: the workers are stopped and the
 agent takes the restart path for that round, with one log line and one
@@ -131,6 +135,7 @@ class InProcessReform:
         self._ctx = context
         self._capable_round: int | None = None
         self._marked = False  # the run is marked as re-forming in place (once per agent)
+        self._called_off_round = -1  # the last round called off before its group formed
 
     def reset(self) -> None:
         """Fresh workers start (the restart path): forget every report."""
@@ -182,7 +187,7 @@ class InProcessReform:
             group, lambda: self._reform(group, plan, cause), plan.round, "reform_fallback",
             "in-process re-formation after round %d failed (%s); stopping the workers and "
             "restarting them")
-        if ok and new is not None:
+        if ok and new is not None and new.round != self._called_off_round:
             self._announce(plan, new, time.monotonic() - paused_at)
         return new
 
@@ -245,8 +250,11 @@ class InProcessReform:
                 f"round {new.round} gives this node {len(ranks)} workers, it runs "
                 f"{len(group.pids)}")
         self._assign(group, new)
-        self._wait(lambda: self._not_formed(group, new.round), self._ctx.bounds.form_s,
-                   "re-form")
+        watch = _FormingWatch(self._ctx, new)
+        self._wait(lambda: watch.call_off_if_lost(self._not_formed(group, new.round)),
+                   self._ctx.bounds.form_s, "re-form")
+        if watch.called_off is not None:
+            self._called_off_round = new.round
         self._became_capable(new.round)
 
     def _assign(self, group: Workers, new: Plan) -> None:
@@ -353,6 +361,48 @@ class InProcessReform:
         log.info("re-formed in place: world size %d -> %d in %.2f s (round %d, restarts "
                  "%d/%d); workers kept their processes", old.world_size, new.world_size,
                  pause_s, new.round, new.restart_count, self._ctx.max_restarts)
+
+
+class _FormingWatch:
+    """Calls a round off while its group forms, once one of its members is gone.
+
+    Why: a member reclaimed (or crashed) after the round closed never comes to the
+    group, and the workers that did would wait out the formation timeout. The
+    rendezvous is asked here, as the monitor asks it while training, so that the
+    deputy that sees the loss opens the next round at once; then the workers are
+    asked to pause in the round they are forming (worker/formation.py stops meeting),
+    they report PAUSED for it, and the monitor re-forms from there as after any
+    pause. A newcomer is no reason: the group forms, and takes it in afterwards.
+    """
+
+    LOOK_EVERY_S = 0.05
+
+    def __init__(self, context: ReformContext, new: Plan):
+        self._ctx, self._new = context, new
+        self._next_look = 0.0
+        self.called_off: Cause | None = None
+
+    def call_off_if_lost(self, left: list[int]) -> list[int]:
+        """`left` (the local ranks still forming), after calling the round off if due."""
+        now = time.monotonic()
+        if not left or self.called_off is not None or now < self._next_look:
+            return left
+        self._next_look = now + self.LOOK_EVERY_S
+        cause = self._lost_member()
+        if cause is not None:
+            self.called_off = cause
+            log.warning("round %d lost a member before its group formed (%s); asking the "
+                        "workers to stop forming it", self._new.round, cause.text())
+            self._ctx.channel.ask_pause(self._new.round)
+        return left
+
+    def _lost_member(self) -> Cause | None:
+        rendezvous, node = self._ctx.rendezvous, self._ctx.node_id
+        cause = rendezvous.change_reason(self._new)
+        if cause is not None and cause.kind is not CauseKind.NEWCOMER:
+            return cause
+        leaving = [other for other in rendezvous.notices(self._new) if other != node]
+        return Cause(CauseKind.NOTICE, ",".join(leaving)) if leaving else None
 
 
 def _check_not_failed(local: int, state: WorkerState | None, what: str) -> None:

@@ -21,7 +21,10 @@ The worker's half of the channel in reform.py, one round at a time:
    most ASSIGNMENT_TIMEOUT_S, then it reports FAILED and exits with EXIT_FOR_RESIZE.
    `leave`: this node is not in the new round; it exits with EXIT_FOR_RESIZE and no
    checkpoint (the ranks that stay hold the state). Otherwise it takes its new place
-   (environment, Context, process group) and goes back to 1.
+   (environment, Context, process group) and goes back to 1. The group is formed in
+   steps that can be called off (formation.py): a round that lost a member before
+   its group formed is paused in at once when the agent asks, not after the
+   formation timeout.
 
 A worker started on standby (its node had not joined yet, agent/standby.py) has no
 process group when it gets here: it reports STANDBY, waits for its first assignment
@@ -50,7 +53,7 @@ from elastic_runner.reform import (
     ASKED, COLLECTIVE_ERROR, FAILED, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, Assignment,
     ReformChannel, WorkerState,
 )
-from elastic_runner.worker import runtime
+from elastic_runner.worker import formation, runtime
 from elastic_runner.worker.abort import leave_process_group
 from elastic_runner.worker.state import ShardedStateError, State
 from elastic_runner.worker.step_boundary import ReformRequested
@@ -264,9 +267,18 @@ class Reformer:
         import torch.distributed as dist
 
         _export(assignment)
+        timeout_s = _formation_timeout_s(self.job)
         try:
-            dist.init_process_group(self.context.backend, timeout=datetime.timedelta(
-                seconds=_formation_timeout_s(self.job)))
+            store = formation.meet(
+                formation.Place(assignment.round, assignment.rank, assignment.world_size,
+                                assignment.master_addr, assignment.master_port),
+                timeout_s, formation.called_off_by(self.channel, self.context.local_rank,
+                                                   assignment.round))
+            if store is None:
+                return self._called_off_before_forming(assignment)
+            dist.init_process_group(self.context.backend, store=store, rank=assignment.rank,
+                                    world_size=assignment.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         except Exception as error:  # noqa: BLE001 - every way of failing is told to the agent
             first_line = collective_failure(error)
             if first_line is None:
@@ -290,6 +302,14 @@ class Reformer:
         log.warning("re-formed in place: rank %d of %d in round %d", assignment.rank,
                     assignment.world_size, assignment.round)
         return True
+
+    def _called_off_before_forming(self, assignment: Assignment) -> bool:
+        """Paused in that round, as a worker that trained in it would be; False."""
+        self._move(assignment)
+        log.warning("round %d was called off before its group formed; waiting for the "
+                    "next one", assignment.round)
+        self._report(PAUSED, ASKED)
+        return False
 
     def _move(self, assignment: Assignment) -> None:
         self.context.move(assignment.rank, assignment.world_size, assignment.local_world_size,

@@ -30,7 +30,6 @@ a process is readable by its user's other processes and ends up in crash dumps.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -48,6 +47,7 @@ from elastic_runner.worker.checkpoint.objects import holds_objects, state_of
 from elastic_runner.contract import CHECKPOINT_RECORD, EXIT_FOR_RESIZE, ProgressWriter, WorkerEnv
 from elastic_runner.files import write_atomic
 from elastic_runner.reform import STANDBY_ROUND
+from elastic_runner.worker import formation
 from elastic_runner.worker.abort import survive_nccl_errors
 from elastic_runner.worker.step_boundary import ReformRequested, StepBoundary
 
@@ -172,7 +172,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
     if dist.is_initialized():
         _warn_on_hand_typed_ranks(dist.get_rank(), dist.get_world_size(), context)
     elif context.world_size > 1 or "MASTER_ADDR" in environ:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        formation.form_first_group(backend, timeout_s, context.round, context.rank,
+                                   context.world_size, environ,
+                                   under_elastic_run=bool(job.reform_dir))
     _active[:] = [context]
     _report_our_errors_in_one_line()
     if context.round == STANDBY_ROUND:

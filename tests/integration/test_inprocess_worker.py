@@ -53,7 +53,7 @@ class Node:
             master_addr="127.0.0.1", master_port=port, round=round_number,
             notice_path=str(self.dir / "notice"), progress_dir=str(self.dir / "progress"),
             reform_dir=str(self.channel.directory), collective_timeout_s=30,
-            formation_timeout_s=FORMATION_S).to_env(), extra)
+            formation_timeout_s=cluster.formation_s).to_env(), extra)
 
     def start_standby(self, cluster: "Cluster", *extra: str) -> None:
         """As agent/standby.py starts a joining node's worker: no place, no group."""
@@ -61,7 +61,7 @@ class Node:
                         notice_path=str(self.dir / "notice"),
                         progress_dir=str(self.dir / "progress"),
                         reform_dir=str(self.channel.directory), collective_timeout_s=30,
-            formation_timeout_s=FORMATION_S).to_env()
+                        formation_timeout_s=cluster.formation_s).to_env()
         for name in PLACEMENT_FIELDS:
             env.pop(variable(name))
         self._spawn(cluster, env, extra)
@@ -90,6 +90,7 @@ class Cluster:
         self.traces.mkdir()
         self.go = root / "go"
         self.nodes = [Node(root, f"node{i}") for i in range(count)]
+        self.formation_s = FORMATION_S  # for the workers started from now on
 
     def rows(self, kind: str) -> list[dict]:
         found = []
@@ -362,6 +363,57 @@ def test_a_round_whose_group_never_forms_is_paused_in_and_the_next_one_taken(clu
     assert cluster.exit_codes(cluster.nodes) == [0, 0, 0]
     assert_consistent(cluster, {0: 2, 2: 3})
     assert pids_by_round(cluster)[2] == {first.proc.pid, second.proc.pid, fresh.proc.pid}
+
+
+def test_a_round_called_off_while_its_group_forms_is_left_at_once(cluster_of):
+    """A member of the new round is lost before its group forms (reclaimed just after
+    the round closed): the agents ask a pause for that round, and the ranks that came
+    stop forming it at once instead of waiting out the formation timeout (here longer
+    than the test's deadline), report PAUSED (asked) in it and take the next round in
+    place. Both ways a member can be missing: not rank 0 (the store is up, the count
+    never completes) and rank 0 itself (there is no store to reach)."""
+    from torch.distributed import TCPStore
+
+    from elastic_runner.worker.formation import arrival_key
+
+    cluster = cluster_of(2)
+    cluster.formation_s = int(DEADLINE_S * 2)  # only a call-off can end a formation in time
+    first, second = cluster.nodes
+    cluster.start_and_pause([first, second])
+    port = free_port()
+    assign(first, 1, 0, 3, port)  # rank 2 of round 1 never comes
+    assign(second, 1, 1, 3, port)
+    store = cluster.wait(lambda: _store_client(TCPStore, port), "round 1's store")
+    cluster.wait(lambda: store.add(arrival_key(1), 0) == 2, "both ranks forming round 1")
+    for node in (first, second):
+        node.channel.ask_pause(1)
+    called_off = cluster.wait_phase([first, second], 1, PAUSED)
+    assert [(s.step, s.reason) for s in called_off] == [(HOLD + 1, ASKED)] * 2
+    port = free_port()
+    assign(first, 2, 1, 3, port)  # rank 0 of round 2 never comes: no store at all
+    assign(second, 2, 2, 3, port)
+    for node in (first, second):
+        node.channel.ask_pause(2)
+    called_off = cluster.wait_phase([first, second], 2, PAUSED)
+    assert [(s.step, s.reason) for s in called_off] == [(HOLD + 1, ASKED)] * 2
+    port = free_port()
+    assign(first, 3, 1, 2, port)
+    assign(second, 3, 0, 2, port)
+    assert cluster.exit_codes(cluster.nodes) == [0, 0]
+    assert_consistent(cluster, {0: 2, 3: 2})
+    assert pids_by_round(cluster)[3] == {first.proc.pid, second.proc.pid}
+
+
+def _store_client(tcp_store, port: int):
+    """A client of the store rank 0 hosts on `port`, or None while there is none."""
+    import datetime
+
+    from torch.distributed import DistError
+    try:
+        return tcp_store("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=1))
+    except DistError:
+        return None
 
 
 def test_a_script_without_a_sampler_pauses_at_its_own_commit(cluster_of):

@@ -185,3 +185,55 @@ def test_the_pause_bound_outlasts_a_collective_timeout():
         bounds = reform_driver.ReformBounds.from_config(config)
         assert bounds.pause_s >= drain
         assert bounds.pause_s > rdzv.collective_timeout_s
+
+
+class _RoundsAsSeen:
+    """The two questions a forming round's watch asks the rendezvous, scripted."""
+
+    def __init__(self, cause: Cause | None = None, notices: tuple[str, ...] = ()):
+        self.cause, self.leaving, self.asked = cause, list(notices), 0
+
+    def change_reason(self, plan):
+        self.asked += 1
+        return self.cause
+
+    def notices(self, plan):
+        return self.leaving
+
+
+def _forming_watch(tmp_path: Path, rendezvous: _RoundsAsSeen):
+    from elastic_runner.rendezvous.protocol import Plan
+
+    channel = ReformChannel(tmp_path / "reform")
+    context = reform_driver.ReformContext(
+        channel=channel, rendezvous=rendezvous, events=None, node_id=NODE, bounds=None,
+        stop_requested=threading.Event(), stop_grace_s=1.0, max_restarts=1,
+        progress_dir=tmp_path, notice_path=tmp_path / "notice")
+    new = Plan(4, members(("x", 1), (NODE, 1)), "127.0.0.1", 29504, 0, "member-lost")
+    return reform_driver._FormingWatch(context, new), channel
+
+
+@pytest.mark.parametrize("cause, notices, calls_off", [
+    (None, (), False),
+    (Cause(CauseKind.NEWCOMER), (), False),  # forms, and takes the newcomer in afterwards
+    (Cause.member_lost(("x",)), (), True),
+    (None, ("x",), True),  # a member of the new round announced its departure
+    (None, (NODE,), False),  # our own notice: this node's own departure handles it
+])
+def test_a_round_that_loses_a_member_while_forming_is_called_off(tmp_path, cause, notices,
+                                                                 calls_off):
+    rendezvous = _RoundsAsSeen(cause, notices)
+    watch, channel = _forming_watch(tmp_path, rendezvous)
+    assert watch.call_off_if_lost([0]) == [0]
+    assert channel.pause_asked(4) is calls_off
+    assert (watch.called_off is not None) is calls_off
+    watch._next_look = 0.0
+    watch.call_off_if_lost([0])  # once called off, the rendezvous is not asked again
+    assert rendezvous.asked == (1 if calls_off else 2)
+
+
+def test_a_formed_round_is_not_looked_at(tmp_path):
+    rendezvous = _RoundsAsSeen(Cause.member_lost(("x",)))
+    watch, channel = _forming_watch(tmp_path, rendezvous)
+    assert watch.call_off_if_lost([]) == []
+    assert rendezvous.asked == 0 and not channel.pause_asked(4)

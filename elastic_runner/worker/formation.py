@@ -1,0 +1,149 @@
+"""Forming a re-formed round's process group in steps that can be called off.
+
+Why: torch's env:// formation blocks inside C++ until every rank of the round is
+there or the timeout passed (rank 0's TCPStore waits for its clients, gloo's
+full-mesh connect waits for every peer's address). A member reclaimed just after
+its round closed never comes, and every other rank then waited out the whole
+formation timeout (10 s at --lease-ttl 5) before its agent could re-form without
+it, while the agents already knew the round was over. Here the ranks first meet in
+the round's store in short, polled steps, and a rank stops meeting as soon as the
+round is called off (its agent asked a pause for it, or wrote a later assignment).
+Only when every rank is in the store does torch form the group, which then does
+not wait for anyone.
+
+The store is the one env:// would make (rank 0 hosts a multi-tenant TCPStore at
+MASTER_ADDR:MASTER_PORT, the others connect), under the same "default_pg" prefix
+`distributed_c10d.init_process_group` puts on a store it made itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from elastic_runner.reform import ReformChannel
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+# One attempt to reach rank 0's store: a rank that waits longer between looks at its
+# channel keeps the others paused that much longer after the round is called off.
+CONNECT_ATTEMPT_S = 0.5
+# How often a rank counts who has arrived.
+ARRIVAL_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class Place:
+    """One rank's place in a round's group, as the agent gave it."""
+
+    round: int
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+def called_off_by(channel: ReformChannel, local_rank: int, round_number: int
+                  ) -> Callable[[], bool]:
+    """Whether the agent is done with round `round_number` before its group formed:
+    it asked a pause for that round (a member was lost meanwhile), or wrote this
+    worker a later assignment."""
+    def called_off() -> bool:
+        later = channel.assignment(local_rank)
+        return channel.pause_asked(round_number) or (
+            later is not None and later.round > round_number)
+    return called_off
+
+
+def arrival_key(round_number: int) -> str:
+    """The counter in the round's store that every rank adds itself to."""
+    return f"elastic-run/round-{round_number}/arrived"
+
+
+def form_first_group(backend: str, timeout_s: float, round_number: int, rank: int,
+                     world_size: int, environ: Mapping[str, str], under_elastic_run: bool) -> None:
+    """er.init()'s group. Under elastic-run a fresh worker meets its round's other
+    ranks as a re-forming one does, since a round may hold both (a node that took the
+    restart path beside nodes that re-formed in place); anywhere else (torchrun, a
+    hand-made environment) torch's env:// as ever."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not under_elastic_run or "MASTER_ADDR" not in environ or "MASTER_PORT" not in environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    place = Place(round_number, rank, world_size, environ["MASTER_ADDR"],
+                  int(environ["MASTER_PORT"]))
+    # Never called off: the restart path stops the fresh workers of a round that is over.
+    store = meet(place, timeout_s, called_off=lambda: False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+
+
+def meet(place: Place, timeout_s: float, called_off: Callable[[], bool]) -> Store | None:
+    """The round's store once every rank of `place`'s round is in it; None when the
+    round was called off first. DistStoreError/DistNetworkError when the ranks did
+    not all come within `timeout_s` (the caller's evidence that a member is gone).
+
+    Every rank of a round must meet here, fresh workers (er.init) and re-forming
+    ones alike: a rank that went straight to torch's env:// would never count."""
+    deadline = time.monotonic() + timeout_s
+    store = _connect(place, timeout_s, deadline, called_off)
+    if store is None:
+        return None
+    key = arrival_key(place.round)
+    if not _count_in(store, key, place.world_size, timeout_s, deadline, called_off):
+        return None
+    from torch.distributed import PrefixStore
+
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return PrefixStore("default_pg", store)
+
+
+def _connect(place: Place, timeout_s: float, deadline: float,
+             called_off: Callable[[], bool]) -> Store | None:
+    from torch.distributed import DistError, TCPStore
+
+    if place.rank == 0:
+        return TCPStore(place.master_addr, place.master_port,
+                        place.world_size, is_master=True, wait_for_workers=False,
+                        multi_tenant=True, timeout=datetime.timedelta(seconds=timeout_s))
+    while True:
+        if called_off():
+            return None
+        attempt = max(0.05, min(CONNECT_ATTEMPT_S, deadline - time.monotonic()))
+        try:
+            store = TCPStore(place.master_addr, place.master_port,
+                             is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=attempt))
+        except DistError:
+            if time.monotonic() >= deadline:
+                raise
+            continue
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return store
+
+
+def _count_in(store: Store, key: str, world_size: int, timeout_s: float, deadline: float,
+              called_off: Callable[[], bool]) -> bool:
+    """Add this rank to the arrivals and wait for the rest: True when all came."""
+    from torch.distributed import DistError, DistStoreError
+
+    try:
+        arrived = store.add(key, 1)
+        while arrived < world_size:
+            if called_off():
+                return False
+            if time.monotonic() >= deadline:
+                raise DistStoreError(f"{arrived} of {world_size} ranks came to the round's "
+                                     f"store within {timeout_s:g} s")
+            time.sleep(ARRIVAL_POLL_S)
+            arrived = store.add(key, 0)
+    except DistError:
+        if called_off():  # rank 0 gave up on the round first and took its store along
+            return False
+        raise
+    return True
