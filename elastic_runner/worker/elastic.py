@@ -156,16 +156,11 @@ class Reformer:
         self.assignment_timeout_s = (ASSIGNMENT_TIMEOUT_S if assignment_timeout_s is None
                                      else assignment_timeout_s)
         self._failed_at: tuple[int, int] = (-2, 0)  # (step, consecutive failures there)
+        self._frozen = False  # gc.freeze() done (_freeze_survivors)
 
     def run(self, call: Callable[[], Any]) -> Any:
-        # Every re-formation collects the last call's garbage (_leave_group), and a
-        # full collection walks every object torch and the model made: 0.2-0.45 s of
-        # paused training on this machine. What lives now lives for the whole run
-        # (modules, the model, the State), so it is frozen out of the collector's
-        # walks (gc.freeze): the collection then takes a millisecond. Only what the
-        # training calls make stays collectable, which is what must go.
-        gc.freeze()
         if self.context.round == STANDBY_ROUND:
+            self._freeze_survivors()  # no group exists yet
             self._take_first_place()
         self._attach()
         self._report(TRAINING)
@@ -232,10 +227,25 @@ class Reformer:
 
     def _leave_group(self) -> None:
         self.context.boundary.abandon()
-        # The last call's objects (a DDP and its autograd hooks on the parameters)
-        # must go before the next call builds their successors.
-        gc.collect()
         leave_process_group(log)  # NCCL: abort the communicators, never wait on a dead peer
+        # The last call's objects (a DDP and its autograd hooks on the parameters) and
+        # the group just left, if they are garbage in a cycle, must go before the next
+        # call builds their successors: a group kept alive keeps its sockets open, and
+        # a peer blocked on one of them would not see this rank go.
+        gc.collect()
+        self._freeze_survivors()
+
+    def _freeze_survivors(self) -> None:
+        """Once, while this worker holds no process group: freeze what lives now out
+        of the collector's walks (gc.freeze). Why: a full collection walks every
+        object torch and the model made, 0.2-0.45 s of paused training per
+        re-formation on this machine; what lives between two groups (modules, the
+        model, the State) lives for the run, and frozen, the walk takes a millisecond.
+        Never with a group alive: a frozen group in a cycle would never be freed."""
+        if self._frozen:
+            return
+        gc.freeze()
+        self._frozen = True
 
     def _await_assignment(self) -> Assignment:
         deadline = time.monotonic() + self.assignment_timeout_s
