@@ -18,6 +18,11 @@ batch, so samples/step = batch x world):
                   replaces its earlier copy; the earlier one counts as lost)
   goodput         useful samples / (node-seconds available x one node's samples/s
                   at full speed, measured in the same run: the median step time)
+  boot ceiling    the goodput no launcher can pass here: each node trains from one
+                  `import torch` (median, this run) after it appears, nothing else
+                  costs. Compression shortens a node's life, never its boot: at x370 a
+                  3 s boot stands for 18 trace minutes, so the ceiling falls with
+                  --duration
   resizes         changes of world size seen by rank 0; (re)starts = worker processes
                   of rank 0 launched
   cost            per useful sample, relative to an always-full on-demand cluster:
@@ -154,6 +159,7 @@ def replay(key: str, schedule, duration: float, args, endpoint: str, wd: Path) -
     per_node_rate = args.local_batch * args.nproc / step_s if step_s else None
     ideal = node_seconds * per_node_rate if per_node_rate else None
     goodput = useful / ideal if ideal else None
+    boot = boot_figures(job, log, duration, t0, end)
     times = [t0] + [r["t"] for r in rows] + [end]
     stalled = sum(b - a for a, b in zip(times, times[1:]) if step_s and b - a > 1.0)
     return {"label": label, "useful_samples": useful, "lost_samples": lost,
@@ -161,11 +167,44 @@ def replay(key: str, schedule, duration: float, args, endpoint: str, wd: Path) -
             "worker_starts_rank0": len({r["pid"] for r in rows}), "agents_started": counter,
             "agent_exits_replaced": crashes, "node_seconds": node_seconds,
             "median_step_s": step_s, "per_node_samples_per_s": per_node_rate,
-            "ideal_samples": ideal, "goodput": goodput, "stalled_s": stalled,
+            "ideal_samples": ideal, "goodput": goodput, "stalled_s": stalled, **boot,
+            "goodput_of_ceiling": goodput / boot["boot_ceiling"] if goodput else None,
             "cost_rel_on_demand": (SPOT / ON_DEMAND) / goodput if goodput else None,
             "spot_usd_per_1M_samples": SPOT / 3600 * node_seconds / useful * 1e6 if useful else None,
             "on_demand_usd_per_1M_samples": ON_DEMAND / 3600 / per_node_rate * 1e6 if per_node_rate else None,
             "events": log}
+
+
+def boot_figures(job, log: list[dict], duration: float, t0: float, end: float) -> dict:
+    """What booting costs on this schedule, measured in this replay.
+
+    boot_import_s: a worker's `import torch` (median over every worker process this
+    replay started): any launcher pays at least this before a new node helps.
+    boot_ceiling: the goodput a launcher would reach if a node trained from
+    boot_import_s after it appeared and nothing else cost anything: the bound the
+    compression puts on every launcher (a node's boot is not compressed, its
+    lifetime is). node_first_step_s: median time from a node's start to the first
+    step one of its workers trained (nodes that trained at all)."""
+    starts = [r for r in c.read_jsonl(job.steps_file)
+              if r.get("kind") == "start" and "t_torch" in r and r["t_proc"] <= end]
+    boot_s = statistics.median(r["t_torch"] - r["t_proc"] for r in starts) if starts else 0.0
+    added: dict[str, float] = {}
+    spans: list[float] = []
+    for e in log:
+        if e["event"] == "add":
+            added[e["node"]] = e["t"]
+        elif e["event"] in ("reclaim", "agent-exited") and e["node"] in added:
+            spans.append(e["t"] - added.pop(e["node"]))
+    spans += [duration - t for t in added.values()]
+    whole = sum(spans)
+    first_step: dict[int, float] = {}
+    for r in c.steps_of(job.steps_file):
+        first_step.setdefault(r["ppid"], r["t"])
+    delays = [first_step[proc.pid] - job.started_at[node] for node, proc in job.agents.items()
+              if proc.pid in first_step and first_step[proc.pid] <= end]
+    return {"boot_import_s": boot_s,
+            "boot_ceiling": sum(max(0.0, s - boot_s) for s in spans) / whole if whole else None,
+            "node_first_step_s": statistics.median(delays) if delays else None}
 
 
 def main() -> None:
@@ -227,6 +266,10 @@ def main() -> None:
     rows = []
     for name, k, d in [("useful samples", "useful_samples", 0), ("samples lost (re-done)", "lost_samples", 0),
                        ("steps re-done", "redone_steps", 0), ("goodput", "goodput", 3),
+                       ("boot ceiling (any launcher)", "boot_ceiling", 3),
+                       ("goodput / boot ceiling", "goodput_of_ceiling", 3),
+                       ("worker import torch, median (s)", "boot_import_s", 2),
+                       ("node start -> its first step, median (s)", "node_first_step_s", 1),
                        ("resizes (world changes)", "resizes", 0),
                        ("worker starts (rank 0)", "worker_starts_rank0", 0),
                        ("agents that died and were replaced", "agent_exits_replaced", 0),
