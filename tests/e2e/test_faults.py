@@ -22,8 +22,10 @@ def rounds_after(job, when: float) -> set[str]:
 def test_short_etcd_restart_does_not_disturb_training_a_long_outage_stops_then_resumes(job, etcd):
     """One run, two etcd outages. A 1 s outage (plus restart) stays inside the lease
     grace (TTL 2 s -> 4 s): 80 steps later the round and the workers' PIDs are the same.
-    Then an 8 s outage: both agents stop their workers, and once etcd is back the job
-    re-forms in a later round with every agent still running."""
+    Then an 8 s outage: the agents stop their workers, and once etcd is back the job
+    re-forms in a later round with every agent still running. The first agent whose
+    grace runs out stops its workers; the other's may fail on the broken group first
+    (their peers are gone) and it restarts them, which is as good: no agent ends."""
     job.start("a", "b")
     formed = job.wait_world(4)
     fired = run_schedule(job, [at_step(job.steps()[-1]["step"] + 5, stop_etcd(etcd, 1.0))])
@@ -44,9 +46,11 @@ def test_short_etcd_restart_does_not_disturb_training_a_long_outage_stops_then_r
     rows = job.wait_world(4, after=fired[0].time + 8.0, timeout=60)
     assert int(rows[0]["ELASTIC_RUN_ROUND"]) > int(formed[0]["ELASTIC_RUN_ROUND"]), \
         "long outage: no re-formation"
-    for node in ("a", "b"):
-        assert "workers stopped, waiting up to" in job.agent_log(node), \
-            f"long outage: {node} did not stop its workers"
+    stopped = [n for n in ("a", "b") if "workers stopped, waiting up to" in job.agent_log(n)]
+    assert stopped, "long outage: no agent stopped its workers"
+    for node in {"a", "b"} - set(stopped):
+        assert "exited with code" in job.agent_log(node), \
+            f"long outage: {node} neither stopped its workers nor saw them fail"
     assert all(p.poll() is None for p in job.agents.values()), "long outage: an agent ended"
 
 
