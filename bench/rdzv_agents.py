@@ -276,13 +276,17 @@ def last_registration(endpoint: str, run_id: str) -> float:
     return max((json.loads(kv.value).get("registered_at", 0.0) for kv in kvs), default=0.0)
 
 
-def plan_bytes(endpoint: str, run_id: str, number: int) -> int | None:
-    """Size of round `number`'s plan as stored: every agent receives it through its
-    watch each round, so N x this many bytes is what handing out one plan costs etcd."""
+def stored_sizes(endpoint: str, run_id: str, number: int) -> tuple[int | None, int | None]:
+    """(round `number`'s plan as stored, the round key as its close left it) in bytes.
+    Every agent receives the round key through its watch each round, so N x the
+    second is what handing out one round costs etcd; the whole plan is read only by
+    the deputies' copies and by an agent that lacks the previous plan."""
     from elastic_runner.rendezvous import protocol as p
     client = new_client(endpoint)
     try:
-        kv = client.get(p.plan_key(p.run_prefix(run_id), number))
+        plan = client.get(p.plan_key(p.run_prefix(run_id), number))
+        round_kv = client.get(p.round_key(p.run_prefix(run_id)))
     finally:
         client.close()
-    return len(kv.value) if kv is not None else None
+    return (len(plan.value) if plan is not None else None,
+            len(round_kv.value) if round_kv is not None else None)

@@ -56,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c  # noqa: E402
 from rdzv_agents import (  # noqa: E402
-    Meter, ProcessGroupAgents, SimAgent, delta, last_registration, plan_bytes, wait_agreed,
+    Meter, ProcessGroupAgents, SimAgent, delta, last_registration, stored_sizes, wait_agreed,
 )
 
 os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no per-round MASTER_ADDR servers
@@ -82,7 +82,8 @@ def phase(res: dict, name: str, meter: Meter, before, got, after_round: int, n: 
     res.update(meter.phase(name, before, meter.read(), n, rounds))
     res[f"{name}_s"] = got[0] - before[0] if got else None
     key = "plan_bytes" if name == "start" else f"{name}_plan_bytes"
-    res[key] = plan_bytes(endpoint, run_id, got[1]) if got else None
+    res[key], res[f"{name}_round_key_bytes"] = (stored_sizes(endpoint, run_id, got[1]) if got
+                                               else (None, None))
 
 
 def elastic_size(endpoint: str, n: int, churn: bool, args) -> dict:
@@ -386,6 +387,7 @@ def table_rows(sizes: list[int], er_res: dict, tr_res: dict) -> list[list[str]]:
                 "-" if events is None else
                 f"{events:,.0f} ({e[f'{event}_watch_events_per_agent_round']:.1f})",
                 _num(e.get("plan_bytes" if event == "start" else f"{event}_plan_bytes"), ",d"),
+                _num(e.get(f"{event}_round_key_bytes"), ",d"),
                 t.get("skipped") or (c.fmt(t.get(f"{event}_s"), "s", 2) if t else "n/a"),
                 f"{tr_total / n:.1f}" if tr_total else "n/a",
                 f"{r:.2g}" if r else "n/a"])
@@ -437,7 +439,8 @@ def report(args, sizes, er_res, tr_res, info, started) -> str:
             f"{info['date_utc']} UTC, {info['cores']} cores, torch {info['torch']}, etcd {info['etcd']}\n\n"
             + c.table(["event", "elastic-run (etcd)", "rounds", "CPU per agent", "etcd CPU",
                        "etcd requests per agent per round",
-                       "watch events per round (per agent)", "plan bytes", "torch c10d dynamic",
+                       "watch events per round (per agent)", "plan bytes",
+                       "round key bytes (to every agent)", "torch c10d dynamic",
                        "torch state reads+writes per agent", "ratio er/torch"],
                       table_rows(sizes, er_res, tr_res))
             + growth_line(sizes, er_res, tr_res) + idle_line(sizes, er_res)

@@ -35,7 +35,7 @@ from elastic_runner.etcd.mirror import PrefixMirror
 from elastic_runner.etcd.server import free_port
 from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
-from elastic_runner.rendezvous import ranks, registration
+from elastic_runner.rendezvous import carried_plan, ranks, registration
 from elastic_runner.rendezvous.deputies import Deputies
 from elastic_runner.rendezvous.failures import failure_message
 from elastic_runner.rendezvous.newcomers import Newcomers
@@ -162,15 +162,17 @@ class EtcdRendezvous(WhileRunning):
 
     def plan(self, number: int) -> p.Plan | None:
         """A round's plan: from our copy when it is wide; else from the round key, which
-        carries the current round's plan once closed; else read once from etcd (a plan
-        is written once, with its round's close, and never changes)."""
+        carries the current round's plan once closed (carried_plan.py: as an edit of
+        the previous plan, which a member holds); else read once from etcd (a plan is
+        written once, with its round's close, and never changes)."""
         key = p.plan_key(self.prefix, number)
         if self.mirror.wide:
             kv = self.mirror.get(key)
             return self._decode(kv, lambda kv: p.Plan.from_json(kv.value)) if kv else None
         if key not in self._decoded:
             round_kv = self.mirror.get(p.round_key(self.prefix))
-            carried = p.plan_in_round(round_kv.value) if round_kv else None
+            held = {v.round: v for _, v in self._decoded.values() if isinstance(v, p.Plan)}
+            carried = carried_plan.carried(round_kv.value, held) if round_kv else None
             if carried is None or carried.round != number:
                 kv = self._client.get(key)
                 carried = p.Plan.from_json(kv.value) if kv else None
@@ -208,11 +210,11 @@ class EtcdRendezvous(WhileRunning):
 
     # ---- transactions -----------------------------------------------------------
     def _cas_round(self, seen: RoundView | None, new: p.RoundState, *extra: Put,
-                   plan: p.Plan | None = None) -> bool:
+                   plan: p.Plan | None = None, previous: p.Plan | None = None) -> bool:
         guard = (mod_revision_is(p.round_key(self.prefix), seen.mod_revision) if seen
                  else key_missing(p.round_key(self.prefix)))
-        result = self._client.txn([guard], [Put(p.round_key(self.prefix), new.to_json(plan)),
-                                            *extra])
+        value = carried_plan.round_value(new, plan, previous)
+        result = self._client.txn([guard], [Put(p.round_key(self.prefix), value), *extra])
         self._see_round_move(seen, result.revision)
         return result.succeeded
 
@@ -496,4 +498,5 @@ class EtcdRendezvous(WhileRunning):
             return
         plan = dataclasses.replace(plan, restart_count=verdict.restart_count)
         self._cas_round(seen, p.RoundState(number, p.CLOSED, seen.state.cause),
-                        Put(p.plan_key(self.prefix, number), plan.to_json()), plan=plan)
+                        Put(p.plan_key(self.prefix, number), plan.to_json()), plan=plan,
+                        previous=previous)

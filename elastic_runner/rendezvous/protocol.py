@@ -283,25 +283,16 @@ class RoundState:
     cause: str = "start"
     detail: str = ""
 
-    def to_json(self, plan: "Plan | None" = None) -> bytes:
-        """The round key's value. A closed round carries its plan: every agent watches
-        this key, so the plan reaches each with the close, without a read of its own."""
-        data = asdict(self)
-        if plan is not None:
-            data["plan"] = plan.to_dict()
-        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    def to_json(self) -> bytes:
+        """The round key's value without a plan (carried_plan.round_value adds one)."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
     @staticmethod
     def from_json(raw: bytes) -> "RoundState":
         data = json.loads(raw)
-        data.pop("plan", None)
+        data.pop("plan", None)  # what a closed round carries: carried_plan.py reads it
+        data.pop("plan_delta", None)
         return RoundState(**data)
-
-
-def plan_in_round(raw: bytes) -> "Plan | None":
-    """The plan a round key's value carries (a closed round's), else None."""
-    data = json.loads(raw).get("plan")
-    return Plan.from_dict(data) if data is not None else None
 
 
 @dataclass(frozen=True)

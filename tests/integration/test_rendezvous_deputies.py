@@ -7,6 +7,8 @@ many nodes join it, and take over when the deputy goes.
 
 from __future__ import annotations
 
+import json
+
 from elastic_runner.errors import LeaseNotFound
 from elastic_runner.rendezvous import protocol as p
 from tests.helpers.rdzv_nodes import wait_for, wait_for_agreement
@@ -120,3 +122,42 @@ def test_a_deputy_slot_refused_for_an_expired_lease_registers_again(node):
     plan = late.rdzv.next_plan(None, p.Cause(p.CauseKind.START))
     assert plan.node_ids == ("a1",) and late.rdzv.lease.id != stale
     assert late.rdzv.deputies.holds(late.rdzv.lease.id)
+
+
+class PlanReads:
+    """The client of one agent, counting its reads of whole plans."""
+
+    def __init__(self, client):
+        self._client, self.plan_reads = client, 0
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def get(self, key, *args, **kwargs):
+        self.plan_reads += key.endswith("/plan")
+        return self._client.get(key, *args, **kwargs)
+
+
+def test_members_rebuild_each_plan_from_the_round_key_edit_and_a_newcomer_reads_it(node):
+    """The round key carries a leave or a join as an edit of the previous plan
+    (carried_plan.py), so its size follows the change, not N; every member rebuilds
+    the very plan the deputy wrote, without reading it."""
+    nodes = [node("edit", f"a{i:02d}", 16, deputies=1) for i in range(12)]
+    wait_for_agreement(nodes, 12)
+    for n in nodes:
+        n.rdzv._client = PlanReads(n.rdzv._client)
+    leaver = nodes.pop(5)
+    leaver.stop()
+    plan = wait_for_agreement(nodes, 11)
+    newcomer = node("edit", "late", 16, begin=False, deputies=1)
+    newcomer.rdzv._client = PlanReads(newcomer.rdzv._client)
+    newcomer.start()
+    joined = wait_for_agreement(nodes + [newcomer], 12)
+    stored = nodes[0].client.get(p.plan_key(nodes[0].rdzv.prefix, joined.round))
+    assert p.Plan.from_json(stored.value) == joined and joined.round > plan.round
+    assert "a05" not in plan.node_ids and joined.node_ids[-1] == "late"
+    round_value = nodes[0].client.get(p.round_key(nodes[0].rdzv.prefix)).value
+    runs = json.loads(round_value)["plan_delta"]["runs"]
+    assert runs[0] == [0, 11] and runs[1]["id"] == "late" and len(runs) == 2
+    assert [n.rdzv._client.plan_reads for n in nodes] == [0] * len(nodes)
+    assert newcomer.rdzv._client.plan_reads >= 1  # it held no earlier plan to edit

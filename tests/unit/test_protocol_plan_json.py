@@ -122,12 +122,3 @@ def test_plan_to_json_refuses_ranks_the_columns_cannot_hold():
     gap = p.Plan(0, (p.Member("a", 0, 2, "h", 0), p.Member("b", 1, 2, "h", 3)), "h", 1)
     with pytest.raises(ValueError, match="ranks do not follow"):
         gap.to_json()
-
-
-def test_a_closed_round_key_carries_its_plan_and_reads_back_without_it():
-    plan = columnar_plan([8, 8, 4], ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
-    state = p.RoundState(plan.round, p.CLOSED, "start")
-    raw = state.to_json(plan)
-    assert p.RoundState.from_json(raw) == state
-    assert p.plan_in_round(raw) == plan
-    assert p.plan_in_round(p.RoundState(plan.round + 1, p.OPEN, "newcomer").to_json()) is None
