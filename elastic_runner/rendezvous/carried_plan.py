@@ -88,11 +88,11 @@ def apply(previous: Plan, edit: dict) -> Plan:
                 start, stop = run
                 if not 0 <= start < stop <= len(previous.members):
                     raise ValueError(f"run {run} outside round {previous.round}'s plan")
-                kept = previous.members[start:stop]
-                ids += [m.node_id for m in kept]
-                nprocs += [m.nproc for m in kept]
-                addrs += [m.addr for m in kept]
-                labels += [dict(m.labels) for m in kept]
+                kept = previous.columns
+                ids += kept.ids[start:stop]
+                nprocs += kept.nprocs[start:stop]
+                addrs += kept.addrs[start:stop]
+                labels += map(dict, kept.labels[start:stop])
             else:
                 ids.append(run["id"])
                 nprocs.append(run["nproc"])

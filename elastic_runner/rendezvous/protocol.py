@@ -51,6 +51,8 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from itertools import accumulate
 
+from elastic_runner.rendezvous.member_table import Member, MemberTable
+
 OPEN, CLOSED, FINISHED, FAILED = "open", "closed", "finished", "failed"
 
 # ---- the key layout ------------------------------------------------------------------
@@ -323,16 +325,6 @@ class Joiner:
 
 
 @dataclass(frozen=True)
-class Member:
-    node_id: str
-    node_rank: int
-    nproc: int
-    addr: str
-    first_rank: int
-    labels: tuple[tuple[str, str], ...] = ()
-
-
-@dataclass(frozen=True)
 class Plan:
     round: int
     members: tuple[Member, ...]
@@ -342,20 +334,26 @@ class Plan:
     cause: str = "start"
     _SCALARS = ("round", "master_addr", "master_port", "restart_count", "cause")  # not a field
 
+    @cached_property  # asked several times a round by every agent, of 1,000s of members
+    def columns(self) -> MemberTable:
+        """The members as columns (member_table.py): what a plan read from etcd holds."""
+        return MemberTable.of(self.members)
+
     @property
     def world_size(self) -> int:
-        return sum(member.nproc for member in self.members)
+        return sum(self.columns.nprocs)
 
-    @cached_property  # asked several times a round by every agent, of 1,000s of members
+    @property
     def node_ids(self) -> tuple[str, ...]:
-        return tuple(member.node_id for member in self.members)
+        return self.columns.ids
 
     @cached_property
-    def _by_id(self) -> dict[str, Member]:
-        return {member.node_id: member for member in self.members}
+    def _index(self) -> dict[str, int]:
+        return dict(zip(self.columns.ids, range(len(self.columns))))
 
     def member(self, node_id: str) -> Member | None:
-        return self._by_id.get(node_id)
+        index = self._index.get(node_id)
+        return self.columns[index] if index is not None else None
 
     def to_json(self) -> bytes:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
@@ -363,16 +361,16 @@ class Plan:
     def to_dict(self) -> dict:
         """Format 2, columnar: every agent parses the plan each round, so ranks (order and
         nproc give them) are left out and a value all members share is written once."""
-        ms, counts = self.members, [m.nproc for m in self.members]
-        starts = accumulate(counts, initial=0)
-        if [(m.node_rank, m.first_rank) for m in ms] != list(zip(range(len(ms)), starts)):
+        ms, table = self.members, self.columns
+        if not isinstance(ms, MemberTable) and [(m.node_rank, m.first_rank) for m in ms] != \
+                list(zip(range(len(ms)), accumulate(table.nprocs, initial=0))):
             raise ValueError(f"round {self.round}: ranks do not follow from order and nproc")
         data = {f: getattr(self, f) for f in self._SCALARS + ("world_size",)}
-        data.update(format=2, ids=list(self.node_ids))
-        for key, column in (("nproc", counts), ("addrs", [m.addr for m in ms])):
+        data.update(format=2, ids=list(table.ids))
+        for key, column in (("nproc", list(table.nprocs)), ("addrs", list(table.addrs))):
             data[key] = column[0] if len(set(column)) == 1 else column
-        if any(m.labels for m in ms):
-            data["labels"] = [dict(m.labels) for m in ms]
+        if any(table.labels):
+            data["labels"] = [dict(labels) for labels in table.labels]
         return data
 
     @staticmethod
@@ -401,7 +399,7 @@ class Plan:
                 f"node(s) [{blocks}], master {self.master_addr}:{self.master_port}")
 
 
-def _columns(data: dict) -> tuple[Member, ...]:
+def _columns(data: dict) -> MemberTable:
     """Format 2's members, checked first: a wrong plan could give two workers one rank."""
     ids = data.get("ids")
     n = len(ids) if isinstance(ids, list) else -1
@@ -416,20 +414,8 @@ def _columns(data: dict) -> tuple[Member, ...]:
                or data.get("world_size", sum(nprocs)) != sum(nprocs) and "wrong world_size")
     if problem:
         raise ValueError(f"malformed plan record: {problem}")
-    rows = zip(ids, nprocs, addrs, labels, accumulate(nprocs, initial=0))
-    return tuple(_member(i, r, k, a, s, tuple(sorted(lb.items())) if lb else ())
-                 for r, (i, k, a, lb, s) in enumerate(rows))
-
-
-def _member(node_id: str, node_rank: int, nproc: int, addr: str, first_rank: int,
-            labels: tuple[tuple[str, str], ...]) -> Member:
-    """Member(...) without the frozen dataclass's __init__, which sets each field
-    through object.__setattr__: building 1,024 members took 1.9 ms of every agent's
-    round that way, 0.5 ms this way. Member has no __post_init__ to skip."""
-    member = object.__new__(Member)
-    member.__dict__.update(node_id=node_id, node_rank=node_rank, nproc=nproc, addr=addr,
-                           first_rank=first_rank, labels=labels)
-    return member
+    return MemberTable(ids, nprocs, addrs,
+                       tuple(tuple(sorted(lb.items())) if lb else () for lb in labels))
 
 
 # ---- decisions ------------------------------------------------------------------

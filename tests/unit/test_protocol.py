@@ -220,7 +220,8 @@ def test_plan_json_round_trip():
     assert json.loads(raw)["world_size"] == 5
     back = p.Plan.from_json(raw)
     assert back == plan
-    assert isinstance(back.members, tuple) and all(isinstance(m, p.Member) for m in back.members)
+    assert all(isinstance(m, p.Member) for m in back.members) and len(back.members) == 2
+    assert back.members == tuple(plan.members) and back.member("b").first_rank == 2
     assert "round 4" in plan.describe() and "a=ranks 0..1" in plan.describe()
 
 
