@@ -154,6 +154,7 @@ def _group_main(endpoint, run_id, names, max_nodes, settle, ttl, go, monitor, up
 
     for name, agent in agents.items():
         threading.Thread(target=run, args=(name, agent), daemon=True).start()
+    updates.put((f"process {os.getpid()}", "ready", None, ()))
     while True:
         command = commands.recv()
         if command[0] == "leave":
@@ -176,6 +177,7 @@ class ProcessGroupAgents:
         self.names = [f"s{i:04d}" for i in range(n)]
         self.last: dict[str, tuple] = {}
         self.errors: dict[str, str] = {}
+        self.ready = 0  # children done importing and building their agents
         self.pipes, self.children, self.owner = [], [], {}
         go = time.time() + 3.0 + n / 200  # time for the children to import and connect
         self.go = go
@@ -198,8 +200,18 @@ class ProcessGroupAgents:
                 return
             if at == "error":
                 self.errors[name] = number
+            elif at == "ready":
+                self.ready += 1
             else:
                 self.last[name] = (at, number, tuple(members))
+
+    def wait_ready(self) -> bool:
+        """Until every child has imported and built its agents (or the start time):
+        the start's CPU is then the rendezvous's, not Python's start-up."""
+        while self.ready < len(self.children) and time.time() < self.go:
+            self.drain()
+            time.sleep(0.02)
+        return self.ready == len(self.children)
 
     def wait_agreed(self, names, size: int, after_round: int, timeout: float):
         deadline = time.time() + timeout

@@ -151,7 +151,12 @@ def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
     group = ProcessGroupAgents(endpoint, run_id, n, processes, args, True)
     meter = Meter(endpoint, [child.pid for child in group.children], args.etcd_pid)
     try:
+        spawned = meter.read()
+        res["start_ready_before_go"] = group.wait_ready()
         m0 = meter.read()
+        # Interpreter start, imports, one client and N agent objects per process:
+        # paid once per agent process, before any rendezvous work.
+        res["setup_agent_cpu_ms_per_agent"] = 1000 * (m0[2] - spawned[2]) / n
         got = group.wait_agreed(group.names, n, -1, args.timeout + (group.go - time.time()))
         phase(res, "start", meter, (group.go, *m0[1:]), got, -1, n, endpoint, run_id)
         res["start_requests_per_agent"] = res["start_requests_total"] / n
@@ -423,8 +428,11 @@ def idle_line(sizes: list[int], er_res: dict) -> str:
             continue
         work = [f"{name} {res[f'{name}_agent_cpu_ms_per_agent'] - rate * res[f'{name}_s']:.1f}"
                 for name in ("start", "leave", "join") if res.get(f"{name}_s") is not None]
+        setup = res.get("setup_agent_cpu_ms_per_agent")
+        setup = "" if setup is None else (f"; before the start (Python, imports, clients; "
+                                          f"not counted in start): {setup:.1f} ms per agent")
         parts.append(f"N={n}: idle {rate:.2f} ms per agent per s; per agent per round less "
-                     f"idle ticks (ms): {', '.join(work)}")
+                     f"idle ticks (ms): {', '.join(work)}{setup}")
     return ("\n" + "\n".join(parts)) if parts else ""
 
 

@@ -72,10 +72,17 @@ class Compare:
     target: str  # "create", "mod", "version", "value"
     op: str  # "==", "!=", "<", ">"
     operand: int | bytes
+    # Compare every key under `key` as a prefix: etcd (3.3+) holds the compare for
+    # every key in the range, and compares 0 when the range is empty.
+    prefix: bool = False
 
 
 def key_missing(key: str) -> Compare:
     return Compare(key, "create", "==", 0)
+
+
+def prefix_empty(prefix: str) -> Compare:
+    return Compare(prefix, "create", "==", 0, prefix=True)
 
 
 def mod_revision_is(key: str, revision: int) -> Compare:
@@ -96,9 +103,25 @@ class Delete:
 
 
 @dataclass(frozen=True)
+class Get:
+    """A read inside a transaction; its answer is in TxnResult.reads, in order."""
+
+    key: str
+    prefix: bool = False
+    count_only: bool = False
+
+
+@dataclass(frozen=True)
+class Read:
+    count: int
+    kvs: tuple[KeyValue, ...]
+
+
+@dataclass(frozen=True)
 class TxnResult:
     succeeded: bool
     revision: int
+    reads: tuple[Read, ...] = ()
 
 
 class EtcdClient:
@@ -256,8 +279,8 @@ class EtcdClient:
             lambda: self._client.get_prefix_response(prefix, count_only=True), f"count {prefix}*")
         return response.count
 
-    def txn(self, compares: Sequence[Compare], success: Sequence[Put | Delete],
-            failure: Sequence[Put | Delete] = ()) -> TxnResult:
+    def txn(self, compares: Sequence[Compare], success: Sequence[Put | Delete | Get],
+            failure: Sequence[Put | Delete | Get] = ()) -> TxnResult:
         request = etcdrpc.TxnRequest(
             compare=[_compare_message(c) for c in compares],
             success=[_op_message(op) for op in success],
@@ -270,7 +293,9 @@ class EtcdClient:
             ),
             "a transaction",
         )
-        return TxnResult(response.succeeded, response.header.revision)
+        reads = tuple(Read(r.response_range.count, tuple(_to_kv(kv) for kv in r.response_range.kvs))
+                      for r in response.responses if r.WhichOneof("response") == "response_range")
+        return TxnResult(response.succeeded, response.header.revision, reads)
 
     def create_if_absent(self, key: str, value: bytes, lease: int | None = None) -> bool:
         return self.txn([key_missing(key)], [Put(key, value, lease)]).succeeded
@@ -355,6 +380,8 @@ _CMP_RESULTS = {"==": etcdrpc.Compare.EQUAL, "!=": etcdrpc.Compare.NOT_EQUAL,
 
 def _compare_message(compare: Compare):
     message = etcdrpc.Compare(key=compare.key.encode(), result=_CMP_RESULTS[compare.op])
+    if compare.prefix:
+        message.range_end = pyetcd.utils.prefix_range_end(compare.key.encode())
     if compare.target == "create":
         message.target = etcdrpc.Compare.CREATE
         message.create_revision = int(compare.operand)
@@ -370,10 +397,15 @@ def _compare_message(compare: Compare):
     return message
 
 
-def _op_message(op: Put | Delete):
+def _op_message(op: Put | Delete | Get):
     if isinstance(op, Put):
         request = etcdrpc.PutRequest(key=op.key.encode(), value=op.value, lease=op.lease or 0)
         return etcdrpc.RequestOp(request_put=request)
+    if isinstance(op, Get):
+        read = etcdrpc.RangeRequest(key=op.key.encode(), count_only=op.count_only)
+        if op.prefix:
+            read.range_end = pyetcd.utils.prefix_range_end(op.key.encode())
+        return etcdrpc.RequestOp(request_range=read)
     request = etcdrpc.DeleteRangeRequest(key=op.key.encode())
     if op.prefix:
         request.range_end = pyetcd.utils.prefix_range_end(op.key.encode())

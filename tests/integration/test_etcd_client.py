@@ -8,7 +8,9 @@ import pytest
 
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import EtcdError, EtcdUnavailable, LeaseNotFound
-from elastic_runner.etcd.client import Delete, EtcdClient, Put, key_missing, mod_revision_is
+from elastic_runner.etcd.client import (
+    Delete, EtcdClient, Get, Put, key_missing, mod_revision_is, prefix_empty,
+)
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
 
@@ -30,6 +32,27 @@ def test_put_get_txn_and_prefix(etcd_any_version):
     entries, _ = client.get_prefix("/t/")
     assert [(kv.key, kv.value) for kv in entries] == [("/t/a", b"won"), ("/t/b", b"2")]
     assert client.server_version().startswith("3.")
+    client.close()
+
+
+def test_a_txn_compares_a_whole_prefix_and_reads_in_its_branch(etcd_any_version):
+    """What registration.check_spec sends: create where a prefix is empty, else read."""
+    client = make_client(etcd_any_version.endpoint)
+    branches = ([Put("/s/spec", b"mine")],
+                [Get("/s/spec"), Get("/old/", prefix=True, count_only=True)])
+    first = client.txn([key_missing("/s/spec"), prefix_empty("/old/")], *branches)
+    assert first.succeeded and first.reads == () and client.get("/s/spec").value == b"mine"
+    again = client.txn([key_missing("/s/spec"), prefix_empty("/old/")], *branches)
+    assert not again.succeeded and again.reads[0].kvs[0].value == b"mine"
+    assert again.reads[1].count == 0 and again.reads[1].kvs == ()
+    client.txn([], [Delete("/s/spec")])
+    client.put("/old/x", b"1")
+    client.put("/old/y", b"2")
+    client.put("/older", b"not under /old/")
+    blocked = client.txn([key_missing("/s/spec"), prefix_empty("/old/")], *branches)
+    assert not blocked.succeeded and client.get("/s/spec") is None
+    assert blocked.reads[0].kvs == () and blocked.reads[1].count == 2
+    assert client.txn([prefix_empty("/ol/")], [Put("/s/spec", b"x")]).succeeded
     client.close()
 
 

@@ -1,0 +1,55 @@
+"""The job spec check's fallback for a role limited to the run (no I/O: a fake client).
+
+A role that may not read the older schemas' prefixes gets its one-transaction check
+refused as a whole; it must then check what it may, step by step, as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_runner.config import RendezvousConfig
+from elastic_runner.errors import EtcdAuthError, SpecMismatch
+from elastic_runner.etcd.client import KeyValue
+from elastic_runner.rendezvous import protocol as p
+from elastic_runner.rendezvous import registration
+
+
+class LimitedRole:
+    """Refuses anything outside the run's own prefix, as etcd does for such a role."""
+
+    def __init__(self, spec_there: bytes | None = None):
+        self.spec_there, self.calls = spec_there, []
+
+    def txn(self, compares, success, failure=()):
+        self.calls.append("txn")
+        raise EtcdAuthError("etcdserver: permission denied")
+
+    def count_prefix(self, prefix):
+        self.calls.append(f"count {prefix}")
+        raise EtcdAuthError("etcdserver: permission denied")
+
+    def create_if_absent(self, key, value, lease=None):
+        self.calls.append(f"create {key}")
+        return self.spec_there is None
+
+    def get(self, key):
+        self.calls.append(f"get {key}")
+        return KeyValue(key, self.spec_there, 1, 1, 1, 0)
+
+
+CONFIG = RendezvousConfig(run_id="job", node_id="a", min_nodes=1, max_nodes=2)
+SPEC = p.JobSpec(1, 2, "script-a")
+
+
+def test_a_role_limited_to_the_run_checks_step_by_step_and_creates_the_spec():
+    client = LimitedRole()
+    registration.check_spec(client, CONFIG, SPEC)
+    spec_key = p.spec_key(CONFIG.prefix)
+    assert client.calls == ["txn", "count /elastic-runner/v0/job/",
+                            "count /elastic-runner/v1/job/", f"create {spec_key}"]
+
+
+def test_a_role_limited_to_the_run_still_sees_a_different_job():
+    client = LimitedRole(spec_there=p.JobSpec(1, 4, "script-a").to_json())
+    with pytest.raises(SpecMismatch, match="max_nodes 4"):
+        registration.check_spec(client, CONFIG, SPEC)
