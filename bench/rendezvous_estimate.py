@@ -5,12 +5,12 @@ etcd cluster.
 Why on paper: this machine has 2 cores; 4,096 simulated agents would measure the
 simulation, not the rendezvous. What scales is known per event: each agent sends one
 join transaction per round (a write every member applies), a non-deputy agent gets
-two watch events (the round key opens; it closes carrying the plan), each of the
-deputies gets one event per join, and the plan grows by a few bytes per member.
+two watch events (the round key opens; it closes carrying the change to the previous
+plan, carried_plan.py, a few hundred bytes whatever N), each of the deputies gets one
+event per join and reads the whole plan, which grows by a few bytes per member.
 etcd's CPU per write is measured here (1,024 join-like transactions on an embedded
-etcd), its CPU per byte of plan fanned out to the watchers is what the measured rounds
-at the largest N spent beyond their writes, and the plan's bytes per member come from
-that N's plan.
+etcd); its CPU per agent beyond that write (the agent's two events, its watch) is what
+the measured rounds at the largest N spent beyond their writes, divided by N.
 
     .venv/bin/python bench/rendezvous_estimate.py [--json bench/latest/rendezvous_scale.json]
 
@@ -18,7 +18,8 @@ Assumptions, printed with the table: every member of the cluster applies every w
 (raft), requests and watch streams are spread evenly over the 3 members, 3 deputies,
 node ids of ~8 bytes; "distinct addresses" gives every node its own IPv4 address (the
 extra bytes measured on a 1,024-member plan); the agents' own CPU per round is the
-measured round work (idle ticks taken out) plus parsing the larger plan (timed here).
+measured round work (idle ticks taken out) plus rebuilding the larger plan from the
+round key's edit (timed here).
 """
 
 from __future__ import annotations
@@ -68,45 +69,52 @@ def write_cost_s(count: int = 1024) -> float:
     return spent / count
 
 
-def fanout_cost_s_per_byte(res: dict, write_s: float) -> float:
-    """etcd CPU per byte of plan sent to watchers: the measured leave/join rounds' CPU
-    less their writes, over the plan bytes fanned out (N x the plan). Why bytes: from
-    N=256 to 1,024 the rounds' etcd CPU grew x14 for N x4, as N x plan does (x15), so
-    the plan each agent receives, not the count of events, is what grows."""
-    costs = [(res[f"{p}_etcd_cpu_s"] - write_s * res[f"{p}_requests"].get("Txn", 0))
-             / (res["n"] * res[f"{p}_plan_bytes"]) for p in ("leave", "join")]
+def per_agent_cost_s(res: dict, write_s: float) -> float:
+    """etcd CPU per agent per round beyond its join write: the measured leave/join
+    rounds' CPU less their writes, over N. Why per agent, not per byte: since the
+    round key carries the change, not the plan, what each agent receives is a
+    constant few hundred bytes, so the rest is per watcher and per event."""
+    costs = [(res[f"{p}_etcd_cpu_s"] - write_s * res[f"{p}_requests"].get("Txn", 0)) / res["n"]
+             for p in ("leave", "join")]
     return max(sum(costs) / len(costs), 0.0)
 
 
 def plan_costs(n: int = 1024) -> tuple[float, float]:
-    """(bytes a distinct address per node adds per member, ms to parse n members),
-    measured on a plan of n members like the benchmark's."""
+    """(bytes a distinct address per node adds per member, ms for a member to rebuild a
+    plan of n members from the round key's edit of a leave), measured here."""
     import timeit
 
+    from elastic_runner.rendezvous import carried_plan
     from elastic_runner.rendezvous import protocol as p
     from elastic_runner.rendezvous.ranks import build_plan
 
-    def plan(addr) -> p.Plan:
-        joiners = [p.Joiner(f"s{i:04d}", addr(i), 29500, 1, i) for i in range(n)]
-        return build_plan(0, joiners, n, 0, "start")
+    def plan(addr, number=0, skip=-1) -> p.Plan:
+        joiners = [p.Joiner(f"s{i:04d}", addr(i), 29500, 1, i) for i in range(n) if i != skip]
+        return build_plan(number, joiners, n, 0, "start")
     same = plan(lambda i: "127.0.0.1").to_json()
     distinct = plan(lambda i: f"10.{i // 65536}.{i // 256 % 256}.{i % 256}").to_json()
-    parse_s = min(timeit.repeat(lambda: p.Plan.from_json(same), number=10, repeat=3)) / 10
-    return (len(distinct) - len(same)) / n, parse_s * 1e3
+    before = p.Plan.from_json(same)
+    after = plan(lambda i: "127.0.0.1", 1, n // 2)
+    raw = carried_plan.round_value(p.RoundState(1, p.CLOSED), after, before)
+    rebuild_s = min(timeit.repeat(lambda: carried_plan.carried(raw, {0: before}).member("s0001"),
+                                  number=10, repeat=3)) / 10
+    return (len(distinct) - len(same)) / n, rebuild_s * 1e3
 
 
-def estimate(n: int, write_s: float, byte_s: float, bytes_per_member: float,
-             work_ms: float, distinct_bytes: float, parse_ms: float) -> list[str]:
+def estimate(n: int, write_s: float, agent_s: float, bytes_per_member: float,
+             work_ms: float, distinct_bytes: float, rebuild_ms: float,
+             key_bytes: float) -> list[str]:
     requests = n + 1  # the joins, and the newcomer's registration
     events = 2 * (n - DEPUTIES) + DEPUTIES * (n + 1)
     plans = [bytes_per_member * n, (bytes_per_member + distinct_bytes) * n]
     # Every member applies every write; watch streams are spread over the members.
-    cpu = [write_s * requests + byte_s * n * plan / MEMBERS for plan in plans]
+    cpu = write_s * requests + agent_s * n / MEMBERS
+    fanned = [n * key_bytes + DEPUTIES * plan for plan in plans]
     return [f"N={n:,}", f"{requests:,}", f"{events:,}",
             " / ".join(f"{plan / 1e3:,.0f}" for plan in plans) + " KB",
-            " / ".join(f"{n * plan / 1e6:,.0f}" for plan in plans) + " MB",
-            " / ".join(f"{seconds:,.2f}" for seconds in cpu) + " s",
-            f"{work_ms + parse_ms * (n / 1024 - 1):.1f} ms"]
+            " / ".join(f"{b / 1e6:,.1f}" for b in fanned) + " MB",
+            f"{cpu:,.2f} s",
+            f"{work_ms + rebuild_ms * (n / 1024 - 1):.1f} ms"]
 
 
 def main() -> None:
@@ -118,23 +126,25 @@ def main() -> None:
     largest = data["elastic_run"][max(data["elastic_run"], key=int)]
     n = largest["n"]
     write_s = write_cost_s()
-    byte_s = fanout_cost_s_per_byte(largest, write_s)
+    agent_s = per_agent_cost_s(largest, write_s)
     bytes_per_member = largest["plan_bytes"] / n
+    key_bytes = max(largest.get(f"{p}_round_key_bytes") or 0 for p in ("leave", "join"))
     idle = largest.get("idle_agent_cpu_ms_per_agent_s", 0.0)
     work_ms = min(largest[f"{p}_agent_cpu_ms_per_agent"] - idle * largest[f"{p}_s"]
                   for p in ("leave", "join"))
-    distinct_bytes, parse_ms = plan_costs()
-    rows = [estimate(size, write_s, byte_s, bytes_per_member, work_ms, distinct_bytes, parse_ms)
-            for size in (n, *SIZES)]
+    distinct_bytes, rebuild_ms = plan_costs()
+    rows = [estimate(size, write_s, agent_s, bytes_per_member, work_ms, distinct_bytes,
+                     rebuild_ms, key_bytes) for size in (n, *SIZES)]
     print(f"measured: {write_s * 1e3:.3f} ms of etcd CPU per join write (here, 1,024 "
-          f"writes); {byte_s * 1e9:.1f} ms per MB of plan fanned out to watchers (the N={n} "
-          f"leave and join rounds' etcd CPU less their writes); plan {bytes_per_member:.1f} "
-          f"bytes per member (+{distinct_bytes:.1f} with a distinct address per node); agent "
-          f"round work {work_ms:.1f} ms (CPU per agent less idle), +{parse_ms:.2f} ms per "
-          f"1,024 more members to parse\n")
+          f"writes); {agent_s * 1e3:.3f} ms per agent beyond its write (the N={n} leave "
+          f"and join rounds' etcd CPU less their writes, over N); round key {key_bytes:.0f} "
+          f"bytes to every agent; plan {bytes_per_member:.1f} bytes per member (+"
+          f"{distinct_bytes:.1f} with a distinct address per node), read whole by the "
+          f"{DEPUTIES} deputies; agent round work {work_ms:.1f} ms (CPU per agent less "
+          f"idle), +{rebuild_ms:.2f} ms per 1,024 more members to rebuild the plan\n")
     print(c.table(["one leave or join round", "etcd requests", "watch events",
-                   "plan (same / distinct addrs)", "plan bytes fanned out",
-                   "etcd CPU per member (same / distinct)", "agent CPU per agent"], rows))
+                   "plan (same / distinct addrs)", "bytes fanned out (same / distinct)",
+                   "etcd CPU per member", "agent CPU per agent"], rows))
 
 
 if __name__ == "__main__":
