@@ -18,9 +18,12 @@ a round) reads the whole plan from its key, as before.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 
 from elastic_runner.rendezvous.protocol import Member, Plan, RoundState
+
+log = logging.getLogger(__name__)
 
 # A delta longer than this share of the whole plan is not worth its rebuild.
 MAX_DELTA_SHARE = 0.5
@@ -65,14 +68,19 @@ def _same_record(a: Member, b: Member) -> bool:
 
 
 def carried(raw: bytes, held: dict[int, Plan]) -> Plan | None:
-    """The plan a round key's value carries; None for an open round, or for an edit
-    of a plan not in `held` (round -> plan): the caller then reads the whole plan."""
+    """The plan a round key's value carries; None for an open round, for an edit of a
+    plan not in `held` (round -> plan), or for one that does not apply: the caller
+    then reads the whole plan, which is the record."""
     data = json.loads(raw)
-    if "plan" in data:
-        return Plan.from_dict(data["plan"])
     edit = data.get("plan_delta")
     base = held.get(edit.get("of_round")) if isinstance(edit, dict) else None
-    return apply(base, edit) if base is not None else None
+    try:
+        if "plan" in data:
+            return Plan.from_dict(data["plan"])
+        return apply(base, edit) if base is not None else None
+    except ValueError as e:
+        log.warning("the round key's plan does not read (%s); reading the plan itself", e)
+        return None
 
 
 def apply(previous: Plan, edit: dict) -> Plan:

@@ -161,10 +161,9 @@ class EtcdRendezvous(WhileRunning):
                                                      kv.mod_revision)) if kv else None
 
     def plan(self, number: int) -> p.Plan | None:
-        """A round's plan: from our copy when it is wide; else from the round key, which
-        carries the current round's plan once closed (carried_plan.py: as an edit of
-        the previous plan, which a member holds); else read once from etcd (a plan is
-        written once, with its round's close, and never changes)."""
+        """A round's plan: from our copy when it is wide; else from the closed round key
+        (carried_plan.py: as an edit of the previous plan, which a member holds); else
+        read once from etcd (written with its round's close, never changed)."""
         key = p.plan_key(self.prefix, number)
         if self.mirror.wide:
             kv = self.mirror.get(key)

@@ -89,6 +89,8 @@ def test_an_edit_that_is_no_sound_plan_is_refused(edit_change, problem):
     edit_change(edit)
     with pytest.raises(ValueError, match=problem):
         cp.apply(before, edit)
+    raw = json.dumps({"number": 2, "state": "closed", "plan_delta": edit}).encode()
+    assert cp.carried(raw, {1: before}) is None  # the member reads the plan key instead
 
 
 @PROPS
