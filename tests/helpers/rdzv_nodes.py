@@ -91,12 +91,15 @@ def wait_for(condition, what: str, nodes: list[Node], timeout_s: float = 60) -> 
         time.sleep(0.02)
 
 
-def arrive(newcomer: Node, observer: Node, key) -> None:
-    """Start `newcomer`, then wait until `observer`'s copy of etcd holds its `key`."""
+def arrive(newcomer: Node, observers: list[Node], key) -> None:
+    """Start `newcomer`, then wait until a deputy among `observers` holds its `key`.
+    A deputy's copy holds every key; another's holds no node or join keys at all
+    (deputies.py), so which observer is a deputy decides, not the first in the list."""
     wanted = key(newcomer.rdzv.prefix, newcomer.rdzv.node_id)
     newcomer.start()
-    wait_for(lambda: observer.rdzv.mirror.get(wanted) is not None,
-             f"{observer.rdzv.node_id} to see {wanted}", [newcomer, observer])
+    wait_for(lambda: any(o.rdzv.mirror.wide and o.rdzv.mirror.get(wanted) is not None
+                         for o in observers),
+             f"a deputy to see {wanted}", [newcomer, *observers])
 
 
 def wait_for_agreement(nodes: list[Node], size: int, timeout_s: float = 60):

@@ -20,7 +20,7 @@ def test_a_burst_of_newcomers_costs_two_reformations_not_one_each(node):
     # requests): all well inside one settle period, yet each a distinct arrival.
     newcomers = [node("burst", f"b{i}", 16, begin=False) for i in range(8)]
     for newcomer in newcomers:
-        arrive(newcomer, first[0], p.node_key)
+        arrive(newcomer, first, p.node_key)
     plan = wait_for_agreement(first + newcomers, 12)
     # The first newcomer sees no recent arrival and opens a round at once; the
     # rest see it and wait for a quiet --settle, then share one more round.
@@ -48,7 +48,7 @@ def test_a_slow_start_closes_once_when_arrivals_stop(node):
     each boots once the one before it has joined round 0."""
     nodes = [node("staggered", f"s{i}", 16, begin=False) for i in range(6)]
     for booting in nodes:
-        arrive(booting, nodes[0], lambda prefix, node_id: p.join_key(prefix, 0, node_id))
+        arrive(booting, nodes, lambda prefix, node_id: p.join_key(prefix, 0, node_id))
     plan = wait_for_agreement(nodes, 6)
     assert plan.round == 0
 
