@@ -43,7 +43,6 @@ from elastic_runner.rendezvous.running import RoundView, WhileRunning
 
 log = logging.getLogger(__name__)
 
-EVENT_TTL_S = 24 * 3600
 # After a wake-up, let further watch events land before re-evaluating: one
 # evaluation reads every joiner, so evaluating per event costs O(N^2) per agent
 # per round. The window grows with the number of nodes and stays far below a
@@ -275,38 +274,6 @@ class EtcdRendezvous(WhileRunning):
         if self.mirror.wide:
             return self.mirror.get(p.join_key(self.prefix, number, self.node_id)) is not None
         return self._joined == (number, self.lease.id)
-
-    def report_failure(self, number: int, failure: dict) -> None:
-        """Record the first failure of a round: the one the job's error will name."""
-        self._client.create_if_absent(p.failure_key(self.prefix, number),
-                                      json.dumps(failure).encode())
-
-    def publish_event(self, record: dict) -> None:
-        """A copy of an event for `status`, expiring on its own after EVENT_TTL_S."""
-        lease = self._client.grant_lease(EVENT_TTL_S)
-        key = p.event_key(self.prefix, int(self._wall_clock() * 1e9), self.node_id)
-        self._client.put(key, json.dumps(record, default=str).encode(), lease=lease)
-
-    def give_notice(self, round_number: int) -> None:
-        """Announce that this node is about to be reclaimed (bound to our lease)."""
-        record = json.dumps({"round": round_number}).encode()
-        self._client.put(p.notice_key(self.prefix, self.node_id), record, lease=self.lease.id)
-
-    def mark_in_place(self, round_number: int) -> None:
-        """This node's workers re-form in place (they reported so in `round_number`).
-        Written once per run: the script is the same on every node (the spec)."""
-        if not self._marked_in_place:
-            self._client.create_if_absent(p.inplace_key(self.prefix), json.dumps(
-                {"round": round_number, "node": self.node_id}).encode())
-            self._marked_in_place = True
-
-    def runs_in_place(self) -> bool:
-        """Whether a node joining now should start its workers before announcing itself:
-        the run's workers re-form in place and it has not finished. Asked before
-        register(), so read from etcd, not the mirror."""
-        round_kv = self._client.get(p.round_key(self.prefix))
-        return (round_kv is not None and self._client.get(p.inplace_key(self.prefix)) is not None
-                and p.RoundState.from_json(round_kv.value).state != p.FINISHED)
 
     # ---- the round loop ---------------------------------------------------------
     def next_plan(self, previous: p.Plan | None, cause: p.Cause) -> p.Plan:
