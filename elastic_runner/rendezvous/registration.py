@@ -66,8 +66,8 @@ def check_spec(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec) ->
     for schema, found in zip(p.OLDER_SCHEMA_PREFIXES, older_counts):
         if found.count:
             raise _older_schema(config, schema)
-    if not existing.kvs:  # the spec went between the compare and the read: look again
-        return check_spec(client, config, spec)
+    if not existing.kvs:  # the spec went between the compare and the read: look again,
+        return _check_spec_stepwise(client, config, spec, older)  # once, step by step
     _compare_spec(config, existing.kvs[0], spec)
 
 
