@@ -31,6 +31,15 @@ from elastic_runner.errors import (
 )
 from elastic_runner.etcd.endpoints import parse_endpoint
 from elastic_runner.etcd.tls import tls_problem
+from elastic_runner.etcd.values import (
+    Compare, Delete, Get, KeyValue, Nested, Put, Read, TxnResult, WatchEvent,
+    key_missing, mod_revision_is, prefix_empty,
+)
+
+# The values are re-exported: callers import everything etcd from here.
+__all__ = ["EtcdClient", "PrefixWatch", "Compare", "Delete", "Get", "KeyValue", "Nested",
+           "Put", "Read", "TxnResult", "WatchEvent", "key_missing", "mod_revision_is",
+           "prefix_empty"]
 
 log = logging.getLogger(__name__)
 
@@ -42,86 +51,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    key: str
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    lease: int
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    kind: str  # "put" or "delete"
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    version: int
-    lease: int
-
-
-# Transaction building blocks: plain data, so callers never touch pyetcd types.
-@dataclass(frozen=True)
-class Compare:
-    key: str
-    target: str  # "create", "mod", "version", "value"
-    op: str  # "==", "!=", "<", ">"
-    operand: int | bytes
-    # Compare every key under `key` as a prefix: etcd (3.3+) holds the compare for
-    # every key in the range, and compares 0 when the range is empty.
-    prefix: bool = False
-
-
-def key_missing(key: str) -> Compare:
-    return Compare(key, "create", "==", 0)
-
-
-def prefix_empty(prefix: str) -> Compare:
-    return Compare(prefix, "create", "==", 0, prefix=True)
-
-
-def mod_revision_is(key: str, revision: int) -> Compare:
-    return Compare(key, "mod", "==", revision)
-
-
-@dataclass(frozen=True)
-class Put:
-    key: str
-    value: bytes
-    lease: int | None = None
-
-
-@dataclass(frozen=True)
-class Delete:
-    key: str
-    prefix: bool = False
-
-
-@dataclass(frozen=True)
-class Get:
-    """A read inside a transaction; its answer is in TxnResult.reads, in order."""
-
-    key: str
-    prefix: bool = False
-    count_only: bool = False
-
-
-@dataclass(frozen=True)
-class Read:
-    count: int
-    kvs: tuple[KeyValue, ...]
-
-
-@dataclass(frozen=True)
-class TxnResult:
-    succeeded: bool
-    revision: int
-    reads: tuple[Read, ...] = ()
 
 
 class EtcdClient:
@@ -279,13 +208,9 @@ class EtcdClient:
             lambda: self._client.get_prefix_response(prefix, count_only=True), f"count {prefix}*")
         return response.count
 
-    def txn(self, compares: Sequence[Compare], success: Sequence[Put | Delete | Get],
-            failure: Sequence[Put | Delete | Get] = ()) -> TxnResult:
-        request = etcdrpc.TxnRequest(
-            compare=[_compare_message(c) for c in compares],
-            success=[_op_message(op) for op in success],
-            failure=[_op_message(op) for op in failure],
-        )
+    def txn(self, compares: Sequence[Compare], success: Sequence[Put | Delete | Get | Nested],
+            failure: Sequence[Put | Delete | Get | Nested] = ()) -> TxnResult:
+        request = _txn_message(compares, success, failure)
         response = self._retrying(
             lambda: self._client.kvstub.Txn(
                 request, self._config.timeout_s,
@@ -397,13 +322,23 @@ def _compare_message(compare: Compare):
     return message
 
 
-def _op_message(op: Put | Delete | Get):
+def _txn_message(compares, success, failure):
+    return etcdrpc.TxnRequest(compare=[_compare_message(c) for c in compares],
+                              success=[_op_message(op) for op in success],
+                              failure=[_op_message(op) for op in failure])
+
+
+def _op_message(op: Put | Delete | Get | Nested):
+    if isinstance(op, Nested):
+        return etcdrpc.RequestOp(request_txn=_txn_message(op.compares, op.success, op.failure))
     if isinstance(op, Put):
         request = etcdrpc.PutRequest(key=op.key.encode(), value=op.value, lease=op.lease or 0)
         return etcdrpc.RequestOp(request_put=request)
     if isinstance(op, Get):
         read = etcdrpc.RangeRequest(key=op.key.encode(), count_only=op.count_only)
-        if op.prefix:
+        if op.end is not None:
+            read.range_end = op.end.encode()
+        elif op.prefix:
             read.range_end = pyetcd.utils.prefix_range_end(op.key.encode())
         return etcdrpc.RequestOp(request_range=read)
     request = etcdrpc.DeleteRangeRequest(key=op.key.encode())

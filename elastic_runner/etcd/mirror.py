@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from elastic_runner.etcd.client import EtcdClient, KeyValue, WatchEvent
 
@@ -70,8 +70,18 @@ class PrefixMirror:
             self._narrow = None
             self.resync()
 
-    def start(self) -> None:
-        if self._narrow is None:
+    def start(self, snapshot: tuple[Sequence[KeyValue], int] | None = None) -> None:
+        """Read the copied range, then watch it from the revision after that read.
+
+        `snapshot`: (the narrow range's keys, the revision read at), read by the caller
+        in a transaction it sent anyway (registration): no read of our own. Why:
+        a thousand agents starting at once each sent one more request, and their
+        separate reads came before the first agent had created the round and the
+        deputy slots, so nearly all of them raced to create those too.
+        """
+        if snapshot is not None and self._narrow is not None:
+            entries, revision = snapshot
+        elif self._narrow is None:
             entries, revision = self._client.get_prefix(self.prefix)
         else:
             entries, revision = self._client.get_range(*self._narrow)

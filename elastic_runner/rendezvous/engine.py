@@ -29,7 +29,9 @@ from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
     LeaseNotFound, RendezvousTimeout, RunFinished, ShutdownRequested, WorkerFailure,
 )
-from elastic_runner.etcd.client import EtcdClient, Put, key_missing, mod_revision_is
+from elastic_runner.etcd.client import (
+    EtcdClient, Put, key_missing, mod_revision_is,
+)
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
 from elastic_runner.etcd.server import free_port
@@ -103,20 +105,37 @@ class EtcdRendezvous(WhileRunning):
             DuplicateNodeId: a live agent of this run already uses our --node-id.
         """
         registration.check_spec(self._client, self._config, self._spec)
-        self.mirror.start()
+        snapshot = self._take_lease(starting=True)
         try:
-            self._take_lease()
+            self.mirror.start(snapshot)
+            self.deputies.ensure(self.lease.id)
         except BaseException:
-            self.mirror.stop()
+            self.leave()
             raise
 
-    def _take_lease(self) -> None:
-        """Create our node key under a fresh lease (registration.py: never over another's)."""
+    def _take_lease(self, starting: bool):
+        """Create our node key under a fresh lease (registration.py: never over another's).
+
+        The same transaction opens the first round where there is none yet, takes
+        a free deputy slot, and at a start (`starting`) joins that first round
+        and reads the range our copy starts from. At a start of a thousand agents
+        each sent this one request for up to five, and none raced to create what
+        an earlier one had (round 0, the slots: seen here in etcd's order).
+        """
+        def also(lease_id: int) -> list:
+            joiner = self._joiner().to_json() if starting else None
+            return registration.with_node_key(self.prefix, self.node_id, lease_id,
+                                              self.deputies.claim_ops(lease_id), joiner)
         record = registration.node_record(self._config, self._wall_clock)
-        self.lease = registration.take_lease(self._client, self._config, record,
-                                             on_lost=self.mirror.wake)
+        self.lease, created = registration.take_lease(self._client, self._config, record,
+                                                      on_lost=self.mirror.wake, also=also)
         self._registered_at = self._clock()
-        self.deputies.ensure(self.lease.id)
+        if created is None or not starting:
+            return None
+        joined, shared = created.reads
+        if joined.kvs:
+            self._joined = (0, self.lease.id)
+        return shared.kvs, created.revision
 
     def leave(self) -> None:
         """Revoke the lease so the others re-form now rather than after the TTL."""
@@ -250,10 +269,13 @@ class EtcdRendezvous(WhileRunning):
                     self.open_next(seen, cause):
                 return
 
-    def _join(self, seen: RoundView) -> None:
+    def _joiner(self) -> p.Joiner:
         port = self._config.master_port or free_port(self._config.node_addr)
-        joiner = p.Joiner(self.node_id, self._config.node_addr, port, self._config.nproc,
-                          labels=self._config.labels)
+        return p.Joiner(self.node_id, self._config.node_addr, port, self._config.nproc,
+                        labels=self._config.labels)
+
+    def _join(self, seen: RoundView) -> None:
+        joiner = self._joiner()
         key = p.join_key(self.prefix, seen.state.number, self.node_id)
         try:
             result = self._client.txn(
@@ -291,7 +313,8 @@ class EtcdRendezvous(WhileRunning):
             if self.shutdown.is_set():
                 raise ShutdownRequested("shutdown requested during rendezvous")
             if self.lease.lost.is_set():
-                self._take_lease()
+                self._take_lease(starting=False)
+                self.deputies.ensure(self.lease.id)
             generation = self.mirror.generation
             outcome = self._step(previous, cause, deadline)
             if isinstance(outcome, p.Plan):

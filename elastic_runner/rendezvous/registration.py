@@ -20,7 +20,7 @@ import json
 import os
 import socket
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
@@ -28,8 +28,11 @@ from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
     DuplicateNodeId, EtcdAuthError, EtcdError, LeaseNotFound, SchemaMismatch, SpecMismatch,
 )
-from elastic_runner.etcd.client import EtcdClient, Get, KeyValue, Put, key_missing, prefix_empty
+from elastic_runner.etcd.client import (
+    Compare, EtcdClient, Get, KeyValue, Nested, Put, TxnResult, key_missing, prefix_empty,
+)
 from elastic_runner.etcd.lease import KeptLease
+from elastic_runner.rendezvous import carried_plan
 from elastic_runner.rendezvous import protocol as p
 
 # etcd checks for expired leases every 500 ms, and a leader change extends every
@@ -116,13 +119,23 @@ def node_record(config: RendezvousConfig, wall_clock: Callable[[], float]) -> by
                        "registered_at": wall_clock()}).encode()
 
 
+# What registration writes or reads besides the node key, in the same transaction:
+# built from the fresh lease's id.
+AlsoOps = Callable[[int], Sequence["Put | Get | Nested"]]
+
+
 def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
-               on_lost: Callable[[], None], attempts: int = 2) -> KeptLease:
-    """Grant a lease and create this node's key under it.
+               on_lost: Callable[[], None], attempts: int = 2,
+               also: AlsoOps = lambda lease_id: ()) -> tuple[KeptLease, TxnResult | None]:
+    """Grant a lease and create this node's key under it, with `also(lease)`'s ops.
 
     A lease can expire between the grant and the create when this process is
     starved of CPU for longer than the TTL; a retry with a fresh lease turns
     that into a delay instead of a crash.
+
+    Returns the lease and the creating transaction's result (its reads are
+    `also`'s); None when an earlier create of ours was found done (its answer
+    was lost).
 
     Raises:
         DuplicateNodeId: a live agent of this run holds our --node-id.
@@ -131,7 +144,7 @@ def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
     retrying = Retrying(retry=retry_if_exception_type(LeaseNotFound),
                         stop=stop_after_attempt(attempts), reraise=True)
     try:
-        return retrying(_claim_under_new_lease, client, config, record, on_lost)
+        return retrying(_claim_under_new_lease, client, config, record, on_lost, also)
     except LeaseNotFound as exc:
         raise LeaseNotFound(
             f"node {config.node_id!r} could not register: {attempts} fresh leases expired "
@@ -141,11 +154,11 @@ def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
 
 
 def _claim_under_new_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
-                           on_lost: Callable[[], None]) -> KeptLease:
+                           on_lost: Callable[[], None],
+                           also: AlsoOps) -> tuple[KeptLease, TxnResult | None]:
     lease = KeptLease(client, config.lease_ttl_s, on_lost=on_lost)
     try:
-        claim(client, config, record, lease.id)
-        return lease
+        return lease, claim(client, config, record, lease.id, also(lease.id))
     except DuplicateNodeId:
         lease.revoke()
         raise
@@ -154,18 +167,45 @@ def _claim_under_new_lease(client: EtcdClient, config: RendezvousConfig, record:
         raise
 
 
-def claim(client: EtcdClient, config: RendezvousConfig, record: bytes, lease_id: int) -> None:
-    """Create our node key under `lease_id`; wait out a dead holder, refuse a live one."""
+def with_node_key(prefix: str, node_id: str, lease_id: int, slot_ops: Sequence[Nested],
+                  joiner: bytes | None) -> list[Put | Get | Nested]:
+    """What the node key's create also does: open round 0 where no round exists, take
+    a free deputy slot (`slot_ops`), and at a start (`joiner` given) join round 0 while
+    it is the run's first round, still open, then read our join and the shared range.
+
+    The reads come last, so they show what this transaction left (etcd's reads in a
+    transaction see its own writes): TxnResult.reads is (our join, the shared range).
+    """
+    round_key = p.round_key(prefix)
+    first_round = carried_plan.round_value(
+        p.RoundState(0, p.OPEN, p.Cause(p.CauseKind.START).text()), None, None)
+    ops: list[Put | Get | Nested] = [
+        Nested((key_missing(round_key),), (Put(round_key, first_round),)), *slot_ops]
+    if joiner is not None:
+        join_key = p.join_key(prefix, 0, node_id)
+        start, end = p.shared_range(prefix)
+        ops += [Nested((Compare(round_key, "value", "==", first_round),),
+                       (Put(join_key, joiner, lease_id),)),
+                Get(join_key), Get(start, end=end)]
+    return ops
+
+
+def claim(client: EtcdClient, config: RendezvousConfig, record: bytes, lease_id: int,
+          also: Sequence[Put | Get | Nested] = ()) -> TxnResult | None:
+    """Create our node key under `lease_id` (and `also`, in the same transaction); wait
+    out a dead holder, refuse a live one. Returns the creating transaction's result,
+    None when the key was found already ours."""
     key = p.node_key(config.prefix, config.node_id)
     holder = None
     for _ in range(CLAIM_ATTEMPTS):
-        if client.create_if_absent(key, record, lease=lease_id):
-            return
+        result = client.txn([key_missing(key)], [Put(key, record, lease_id), *also])
+        if result.succeeded:
+            return result
         holder = client.get(key)
         if holder is None:
             continue  # freed between our create and our read
         if holder.lease == lease_id:
-            return  # our own create: its answer was lost and the retry found the key
+            return None  # our own create: its answer was lost and the retry found the key
         if _outlives_lease(client, holder):
             break
     raise DuplicateNodeId(duplicate_message(config, holder))

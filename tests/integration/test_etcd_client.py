@@ -9,7 +9,7 @@ import pytest
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import EtcdError, EtcdUnavailable, LeaseNotFound
 from elastic_runner.etcd.client import (
-    Delete, EtcdClient, Get, Put, key_missing, mod_revision_is, prefix_empty,
+    Delete, EtcdClient, Get, Nested, Put, key_missing, mod_revision_is, prefix_empty,
 )
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
@@ -53,6 +53,38 @@ def test_a_txn_compares_a_whole_prefix_and_reads_in_its_branch(etcd_any_version)
     assert not blocked.succeeded and client.get("/s/spec") is None
     assert blocked.reads[0].kvs == () and blocked.reads[1].count == 2
     assert client.txn([prefix_empty("/ol/")], [Put("/s/spec", b"x")]).succeeded
+    client.close()
+
+
+def first_free_slot(owner: bytes) -> tuple[Nested, ...]:
+    """What registration nests: slot 0 if free, else slot 1, else slot 2."""
+    chain: tuple[Nested, ...] = ()
+    for slot in (2, 1, 0):
+        chain = (Nested((key_missing(f"/n/slot/{slot}"),), (Put(f"/n/slot/{slot}", owner),),
+                        chain),)
+    return chain
+
+
+def test_nested_txns_commit_with_the_outer_one_and_a_last_read_sees_them(etcd_any_version):
+    """What registration sends: its node key, round 0 where absent, the first free slot,
+    then a read of the shared range that must show all three at the result's revision."""
+    client = make_client(etcd_any_version.endpoint)
+    first_round = Nested((key_missing("/n/round"),), (Put("/n/round", b"open 0"),))
+
+    def register(node: str):
+        return client.txn([key_missing(f"/n/nodes/{node}")],
+                          [Put(f"/n/nodes/{node}", b"x"), first_round,
+                           *first_free_slot(node.encode()), Get("/n/r", end="/n/t")])
+    results = [register(node) for node in ("a", "b", "c", "d")]
+    assert all(r.succeeded for r in results)
+    assert [kv.key for kv in results[0].reads[0].kvs] == ["/n/round", "/n/slot/0"]
+    last = {kv.key: kv.value for kv in results[3].reads[0].kvs}
+    assert last == {"/n/round": b"open 0", "/n/slot/0": b"a", "/n/slot/1": b"b",
+                    "/n/slot/2": b"c"}  # d found every slot taken and took none
+    assert max(kv.mod_revision for kv in results[2].reads[0].kvs) == results[2].revision
+    assert client.get("/n/round").version == 1  # created once, by the first
+    refused = register("a")  # the outer compare fails: nothing nested runs
+    assert not refused.succeeded and refused.reads == () and client.get("/n/round").version == 1
     client.close()
 
 

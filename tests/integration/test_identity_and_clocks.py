@@ -102,11 +102,11 @@ def lease_expires_before_the_first(times: int, monkeypatch) -> list[int]:
     the agent is starved of CPU past the TTL between the grant and the create."""
     real, leases = registration.claim, []
 
-    def claim(client, config, record, lease_id):
+    def claim(client, config, record, lease_id, *also):
         leases.append(lease_id)
         if len(leases) <= times:
             client.revoke_lease(lease_id)
-        return real(client, config, record, lease_id)
+        return real(client, config, record, lease_id, *also)
     monkeypatch.setattr(registration, "claim", claim)
     return leases
 

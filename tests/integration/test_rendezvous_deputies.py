@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 from elastic_runner.errors import LeaseNotFound
+from elastic_runner.etcd.client import Put
 from elastic_runner.rendezvous import protocol as p
 from tests.helpers.rdzv_nodes import wait_for, wait_for_agreement
 
@@ -89,7 +90,7 @@ def test_a_join_refused_for_an_expired_lease_registers_again_and_joins(node):
     real_txn, refused = late.client.txn, []
 
     def txn(compares, success, failure=()):
-        joins = [op for op in success if "/join/" in getattr(op, "key", "")]
+        joins = [op for op in success if isinstance(op, Put) and "/join/" in op.key]
         if joins and not refused:
             late.client.revoke_lease(joins[0].lease)  # the TTL ran out while it slept
             try:
@@ -161,3 +162,48 @@ def test_members_rebuild_each_plan_from_the_round_key_edit_and_a_newcomer_reads_
     assert runs[0] == [0, 11] and runs[1]["id"] == "late" and len(runs) == 2
     assert [n.rdzv._client.plan_reads for n in nodes] == [0] * len(nodes)
     assert newcomer.rdzv._client.plan_reads >= 1  # it held no earlier plan to edit
+
+
+class Sent:
+    """One agent's requests to etcd, in order: ("txn", the key its compare guards) or
+    (a read's name, its key)."""
+
+    def __init__(self, client):
+        self.requests: list[tuple[str, str]] = []
+        for name in ("txn", "get", "get_range", "get_prefix", "count_prefix"):
+            setattr(client, name, self._counted(name, getattr(client, name)))
+
+    def _counted(self, name, real):
+        def call(*args, **kwargs):
+            key = args[0][0].key if name == "txn" and args[0] else str(args[0] if args else "")
+            self.requests.append((name, key))
+            return real(*args, **kwargs)
+        return call
+
+
+def test_at_a_start_an_agent_sends_the_spec_check_and_one_registration_only(node, etcd):
+    """Registration's one transaction opens round 0 where there is none, takes the first
+    free deputy slot, joins round 0 and reads the range the copy starts from. Before
+    that, each of a thousand agents starting at once read the range itself, and most
+    then raced to create round 0 and a slot that an earlier agent had created."""
+    nodes = [node("start", f"a{i}", 8, begin=False, min_nodes=8) for i in range(8)]
+    sent = [Sent(each.client) for each in nodes]
+    for each in nodes:
+        each.start()
+    plan = wait_for_agreement(nodes, 8)
+    assert plan.round == 0 and len(plan.node_ids) == 8
+    prefix = nodes[0].rdzv.prefix
+    deputies = {i for i, each in enumerate(nodes) if each.rdzv.mirror.wide}
+    assert len(deputies) == 3 and len(nodes[0].rdzv.deputies.holders()) == 3
+    for i, each in enumerate(nodes):
+        if i in deputies:
+            continue
+        assert [name for name, _ in sent[i].requests] == ["txn", "txn"], sent[i].requests
+        assert sent[i].requests[1][1] == p.node_key(prefix, f"a{i}")  # the registration
+    client = nodes[0].client
+    for slot in range(3):  # each slot written once, by the registration that took it
+        assert client.get(f"{p.deputy_prefix(prefix)}{slot}").version == 1
+    guarded = [(i, key) for i in range(8) for name, key in sent[i].requests if name == "txn"]
+    assert not [key for _, key in guarded if key.startswith(p.deputy_prefix(prefix))]
+    assert {i for i, key in guarded if key == p.round_key(prefix)} <= deputies  # the close
+    assert client.get(p.round_key(prefix)).version == 2  # opened once, closed once
