@@ -104,7 +104,6 @@ class EtcdRendezvous(WhileRunning):
             SpecMismatch / SchemaMismatch: the run id belongs to another job.
             DuplicateNodeId: a live agent of this run already uses our --node-id.
         """
-        registration.check_spec(self._client, self._config, self._spec)
         snapshot = self._take_lease(starting=True)
         try:
             self.mirror.start(snapshot)
@@ -114,21 +113,24 @@ class EtcdRendezvous(WhileRunning):
             raise
 
     def _take_lease(self, starting: bool):
-        """Create our node key under a fresh lease (registration.py: never over another's).
+        """Create our node key under a fresh lease (registration.py: never over another's),
+        at a start after checking the job spec.
 
         The same transaction opens the first round where there is none yet, takes
         a free deputy slot, and at a start (`starting`) joins that first round
         and reads the range our copy starts from. At a start of a thousand agents
-        each sent this one request for up to five, and none raced to create what
-        an earlier one had (round 0, the slots: seen here in etcd's order).
+        each sent this one request for up to six (with the spec check), and none
+        raced to create what an earlier one had (round 0, the slots: seen here in
+        etcd's order).
         """
         def also(lease_id: int) -> list:
             joiner = self._joiner().to_json() if starting else None
             return registration.with_node_key(self.prefix, self.node_id, lease_id,
                                               self.deputies.claim_ops(lease_id), joiner)
         record = registration.node_record(self._config, self._wall_clock)
-        self.lease, created = registration.take_lease(self._client, self._config, record,
-                                                      on_lost=self.mirror.wake, also=also)
+        self.lease, created = registration.take_lease(
+            self._client, self._config, record, on_lost=self.mirror.wake, also=also,
+            spec=self._spec if starting else None)
         self._registered_at = self._clock()
         if created is None or not starting:
             return None

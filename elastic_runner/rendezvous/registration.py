@@ -126,8 +126,10 @@ AlsoOps = Callable[[int], Sequence["Put | Get | Nested"]]
 
 def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
                on_lost: Callable[[], None], attempts: int = 2,
-               also: AlsoOps = lambda lease_id: ()) -> tuple[KeptLease, TxnResult | None]:
-    """Grant a lease and create this node's key under it, with `also(lease)`'s ops.
+               also: AlsoOps = lambda lease_id: (),
+               spec: p.JobSpec | None = None) -> tuple[KeptLease, TxnResult | None]:
+    """Grant a lease and create this node's key under it, with `also(lease)`'s ops;
+    with `spec`, check the job spec first (register_node).
 
     A lease can expire between the grant and the create when this process is
     starved of CPU for longer than the TTL; a retry with a fresh lease turns
@@ -138,13 +140,14 @@ def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
     was lost).
 
     Raises:
+        SpecMismatch / SchemaMismatch: the run id belongs to another job.
         DuplicateNodeId: a live agent of this run holds our --node-id.
         LeaseNotFound: every one of `attempts` fresh leases expired before the create.
     """
     retrying = Retrying(retry=retry_if_exception_type(LeaseNotFound),
                         stop=stop_after_attempt(attempts), reraise=True)
     try:
-        return retrying(_claim_under_new_lease, client, config, record, on_lost, also)
+        return retrying(_claim_under_new_lease, client, config, record, on_lost, also, spec)
     except LeaseNotFound as exc:
         raise LeaseNotFound(
             f"node {config.node_id!r} could not register: {attempts} fresh leases expired "
@@ -154,17 +157,45 @@ def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
 
 
 def _claim_under_new_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
-                           on_lost: Callable[[], None],
-                           also: AlsoOps) -> tuple[KeptLease, TxnResult | None]:
+                           on_lost: Callable[[], None], also: AlsoOps,
+                           spec: p.JobSpec | None) -> tuple[KeptLease, TxnResult | None]:
     lease = KeptLease(client, config.lease_ttl_s, on_lost=on_lost)
     try:
-        return lease, claim(client, config, record, lease.id, also(lease.id))
-    except DuplicateNodeId:
+        if spec is None:
+            return lease, claim(client, config, record, lease.id, also(lease.id))
+        return lease, register_node(client, config, spec, record, lease.id, also(lease.id))
+    except (DuplicateNodeId, SpecMismatch, SchemaMismatch):
         lease.revoke()
         raise
     except EtcdError:
         lease.stop()
         raise
+
+
+def register_node(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
+                  record: bytes, lease_id: int,
+                  also: Sequence[Put | Get | Nested] = ()) -> TxnResult | None:
+    """check_spec, then claim; in one transaction when the run's spec is ours already.
+
+    Why: at a start of a thousand agents, all but the first find the spec there.
+    One transaction guards the create with the spec's exact bytes (JobSpec's JSON
+    is canonical: equal bytes, equal jobs) and the older schemas' empty prefixes.
+    Any other answer (no spec yet, another job's, older keys, our id held, or a
+    role that may not compare the older prefixes) takes the steps one by one,
+    which write the spec or say what is wrong.
+    """
+    node = p.node_key(config.prefix, config.node_id)
+    guards = [key_missing(node), Compare(p.spec_key(config.prefix), "value", "==",
+                                         spec.to_json()),
+              *(prefix_empty(f"{prefix}/{config.run_id}/") for prefix in p.OLDER_SCHEMA_PREFIXES)]
+    try:
+        result = client.txn(guards, [Put(node, record, lease_id), *also])
+    except EtcdAuthError:
+        result = None
+    if result is not None and result.succeeded:
+        return result
+    check_spec(client, config, spec)
+    return claim(client, config, record, lease_id, also)
 
 
 def with_node_key(prefix: str, node_id: str, lease_id: int, slot_ops: Sequence[Nested],

@@ -99,15 +99,22 @@ def test_a_create_retried_after_a_lost_answer_finds_its_own_key(agent):
 
 def lease_expires_before_the_first(times: int, monkeypatch) -> list[int]:
     """Make registration's first `times` creates find their fresh lease gone, as when
-    the agent is starved of CPU past the TTL between the grant and the create."""
-    real, leases = registration.claim, []
+    the agent is starved of CPU past the TTL between the grant and the create.
+    Both ways to the create are covered: register_node (a start, one transaction
+    with the spec check) and claim (its step-by-step path, and a re-registration)."""
+    leases: list[int] = []
 
-    def claim(client, config, record, lease_id, *also):
-        leases.append(lease_id)
-        if len(leases) <= times:
-            client.revoke_lease(lease_id)
-        return real(client, config, record, lease_id, *also)
-    monkeypatch.setattr(registration, "claim", claim)
+    def revoking(real):
+        def create(client, config, *rest):
+            lease_id = rest[-2]  # (..., record, lease_id, also) in both
+            if lease_id not in leases:
+                leases.append(lease_id)
+                if len(leases) <= times:
+                    client.revoke_lease(lease_id)
+            return real(client, config, *rest)
+        return create
+    monkeypatch.setattr(registration, "claim", revoking(registration.claim))
+    monkeypatch.setattr(registration, "register_node", revoking(registration.register_node))
     return leases
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import EtcdAuthError, SpecMismatch
-from elastic_runner.etcd.client import KeyValue
+from elastic_runner.etcd.client import KeyValue, TxnResult
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous import registration
 
@@ -53,3 +53,33 @@ def test_a_role_limited_to_the_run_still_sees_a_different_job():
     client = LimitedRole(spec_there=p.JobSpec(1, 4, "script-a").to_json())
     with pytest.raises(SpecMismatch, match="max_nodes 4"):
         registration.check_spec(client, CONFIG, SPEC)
+
+
+class RunOnlyRole(LimitedRole):
+    """Allows transactions on the run's own keys only, as etcd does for such a role."""
+
+    def txn(self, compares, success, failure=()):
+        keys = [c.key for c in compares] + [op.key for op in success]
+        if any(not key.startswith(CONFIG.prefix) for key in keys):
+            self.calls.append("txn refused")
+            raise EtcdAuthError("etcdserver: permission denied")
+        self.calls.append(f"txn {compares[0].key}")
+        return TxnResult(True, 7)
+
+
+def test_registration_of_a_role_limited_to_the_run_checks_the_spec_step_by_step():
+    """The one-transaction registration compares the older schemas' prefixes; refused,
+    the agent checks the spec as check_spec does, then creates its node key."""
+    client = RunOnlyRole()
+    result = registration.register_node(client, CONFIG, SPEC, b"record", 5)
+    assert result.succeeded
+    assert client.calls == ["txn refused", "txn refused", "count /elastic-runner/v0/job/",
+                            "count /elastic-runner/v1/job/", f"create {p.spec_key(CONFIG.prefix)}",
+                            f"txn {p.node_key(CONFIG.prefix, 'a')}"]
+
+
+def test_registration_of_another_job_writes_no_node_key():
+    client = RunOnlyRole(spec_there=p.JobSpec(1, 4, "script-a").to_json())
+    with pytest.raises(SpecMismatch, match="max_nodes 4"):
+        registration.register_node(client, CONFIG, SPEC, b"record", 5)
+    assert not [call for call in client.calls if "/nodes/" in call]
