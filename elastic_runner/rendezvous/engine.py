@@ -29,9 +29,7 @@ from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
     LeaseNotFound, RendezvousTimeout, RunFinished, ShutdownRequested, WorkerFailure,
 )
-from elastic_runner.etcd.client import (
-    EtcdClient, Put, key_missing, mod_revision_is,
-)
+from elastic_runner.etcd.client import EtcdClient, KeyValue, Put, key_missing, mod_revision_is
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
 from elastic_runner.etcd.server import free_port
@@ -112,7 +110,7 @@ class EtcdRendezvous(WhileRunning):
             self.leave()
             raise
 
-    def _take_lease(self, starting: bool):
+    def _take_lease(self, starting: bool) -> tuple[tuple[KeyValue, ...], int] | None:
         """Create our node key under a fresh lease (registration.py: never over another's),
         at a start after checking the job spec.
 
@@ -121,7 +119,7 @@ class EtcdRendezvous(WhileRunning):
         and reads the range our copy starts from. At a start of a thousand agents
         each sent this one request for up to six (with the spec check), and none
         raced to create what an earlier one had (round 0, the slots: seen here in
-        etcd's order).
+        etcd's order). Returns that read and its revision, when there is one.
         """
         def also(lease_id: int) -> list:
             joiner = self._joiner().to_json() if starting else None
