@@ -29,7 +29,9 @@ from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
     LeaseNotFound, RendezvousTimeout, RunFinished, ShutdownRequested, WorkerFailure,
 )
-from elastic_runner.etcd.client import EtcdClient, KeyValue, Put, key_missing, mod_revision_is
+from elastic_runner.etcd.client import (
+    Delete, EtcdClient, KeyValue, Put, key_missing, mod_revision_is,
+)
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
 from elastic_runner.etcd.server import free_port
@@ -275,12 +277,19 @@ class EtcdRendezvous(WhileRunning):
                         labels=self._config.labels)
 
     def _join(self, seen: RoundView) -> None:
-        joiner = self._joiner()
+        """Join the open round; the same write deletes our join of an earlier round:
+        under a lease as long as the node's, every round's N joins stayed, and etcd
+        and each deputy's copy grew with rounds x N. Only an open round's joins are
+        read (a closed one's plan holds its members); the deputies' one more event
+        per agent per round costs etcd microseconds (bench/README)."""
         key = p.join_key(self.prefix, seen.state.number, self.node_id)
+        ops = [Put(key, self._joiner().to_json(), self.lease.id)]
+        if self._joined and self._joined[1] == self.lease.id and \
+                self._joined[0] < seen.state.number:
+            ops.append(Delete(p.join_key(self.prefix, self._joined[0], self.node_id)))
         try:
             result = self._client.txn(
-                [mod_revision_is(p.round_key(self.prefix), seen.mod_revision)],
-                [Put(key, joiner.to_json(), self.lease.id)])
+                [mod_revision_is(p.round_key(self.prefix), seen.mod_revision)], ops)
         except LeaseNotFound as exc:  # starved past the TTL: register again (next_plan)
             self.lease.mark_lost(f"etcd refused our join ({exc})")
             return

@@ -210,3 +210,25 @@ def test_at_a_start_an_agent_sends_one_transaction_only(node, etcd):
     assert not [key for _, key in guarded if key.startswith(p.deputy_prefix(prefix))]
     assert {i for i, key in guarded if key == p.round_key(prefix)} <= deputies  # the close
     assert client.get(p.round_key(prefix)).version == 2  # opened once, closed once
+
+
+def test_a_node_keeps_one_join_key_however_many_rounds_it_joined(node):
+    """Each join deletes the node's join of its earlier round in the same write: join keys
+    live under the node's lease, and before, etcd and every deputy's copy kept N keys
+    per round for as long as the nodes lived."""
+    first = [node("rounds", f"a{i}", 8) for i in range(2)]
+    wait_for_agreement(first, 2)
+    late = node("rounds", "a2", 8)
+    wait_for_agreement(first + [late], 3)
+    late.stop()
+    plan = wait_for_agreement(first, 2)
+    assert plan.round >= 2
+    prefix = first[0].rdzv.prefix
+    kvs, _ = first[0].client.get_prefix(f"{prefix}rounds/")
+    joins = sorted(kv.key for kv in kvs if "/join/" in kv.key)
+    assert joins == [p.join_key(prefix, plan.round, f"a{i}") for i in range(2)]
+    wide = [each for each in first if each.rdzv.mirror.wide]
+    assert wide and all(  # a deputy's copy holds the same, not the joins of every round
+        sorted(kv.key for n in range(plan.round + 1)
+               for kv in each.rdzv.mirror.children(p.join_prefix(prefix, n))) == joins
+        for each in wide)
