@@ -6,8 +6,9 @@ Why on paper: this machine has 2 cores; 4,096 simulated agents would measure the
 simulation, not the rendezvous. What scales is known per event: each agent sends one
 join transaction per round (a write every member applies), a non-deputy agent gets
 two watch events (the round key opens; it closes carrying the change to the previous
-plan, carried_plan.py, a few hundred bytes whatever N), each of the deputies gets one
-event per join and reads the whole plan, which grows by a few bytes per member.
+plan, carried_plan.py, a few hundred bytes whatever N), each of the deputies gets two
+events per agent (its join, and the delete of its previous join in the same write) and
+reads the whole plan, which grows by a few bytes per member.
 etcd's CPU per write is measured here (1,024 join-like transactions on an embedded
 etcd); its CPU per agent beyond that write (the agent's two events, its watch) is what
 the measured rounds at the largest N spent beyond their writes, divided by N.
@@ -105,7 +106,7 @@ def estimate(n: int, write_s: float, agent_s: float, bytes_per_member: float,
              work_ms: float, distinct_bytes: float, rebuild_ms: float,
              key_bytes: float) -> list[str]:
     requests = n + 1  # the joins, and the newcomer's registration
-    events = 2 * (n - DEPUTIES) + DEPUTIES * (n + 1)
+    events = 2 * (n - DEPUTIES) + DEPUTIES * (2 * n + 1)  # joins + the old joins' deletes
     plans = [bytes_per_member * n, (bytes_per_member + distinct_bytes) * n]
     # Every member applies every write; watch streams are spread over the members.
     cpu = write_s * requests + agent_s * n / MEMBERS
