@@ -338,7 +338,7 @@ class EtcdRendezvous(WhileRunning):
         action = d.round_action(seen.state if seen else None,
                                 previous.round if previous else None, cause)
         if action.act is d.Act.CREATE_FIRST:
-            self._cas_round(None, p.RoundState(0, p.OPEN, action.cause.text()))
+            self._cas_round(None, p.first_round())
         elif action.act is d.Act.RUN_FINISHED:
             raise RunFinished(f"run {self._config.run_id!r} already finished; "
                               "pass a new --run-id to start it again")

@@ -268,6 +268,12 @@ class JobSpec:
         return JobSpec(**json.loads(raw))
 
 
+def first_round() -> "RoundState":
+    """Round 0, open: what the first agent of a run writes (registration does it in its
+    own transaction; decisions.round_action's CREATE_FIRST where it did not)."""
+    return RoundState(0, OPEN, Cause(CauseKind.START).text())
+
+
 def spec_conflict(existing: JobSpec, mine: JobSpec) -> str | None:
     """Describe how `mine` differs from the spec the run started with, or None."""
     diffs = [

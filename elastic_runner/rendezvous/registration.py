@@ -56,7 +56,7 @@ def check_spec(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec) ->
     taken as 0, one request at a time, as before.
     """
     key = p.spec_key(config.prefix)
-    older = [f"{prefix}/{config.run_id}/" for prefix in p.OLDER_SCHEMA_PREFIXES]
+    older = _older_prefixes(config)
     try:
         result = client.txn([key_missing(key), *map(prefix_empty, older)],
                             [Put(key, spec.to_json())],
@@ -72,6 +72,11 @@ def check_spec(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec) ->
     if not existing.kvs:  # the spec went between the compare and the read: look again,
         return _check_spec_stepwise(client, config, spec, older)  # once, step by step
     _compare_spec(config, existing.kvs[0], spec)
+
+
+def _older_prefixes(config: RendezvousConfig) -> list[str]:
+    """This run's prefix under each older schema, in OLDER_SCHEMA_PREFIXES' order."""
+    return [f"{schema}/{config.run_id}/" for schema in p.OLDER_SCHEMA_PREFIXES]
 
 
 def _check_spec_stepwise(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
@@ -187,7 +192,7 @@ def register_node(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
     node = p.node_key(config.prefix, config.node_id)
     guards = [key_missing(node), Compare(p.spec_key(config.prefix), "value", "==",
                                          spec.to_json()),
-              *(prefix_empty(f"{prefix}/{config.run_id}/") for prefix in p.OLDER_SCHEMA_PREFIXES)]
+              *map(prefix_empty, _older_prefixes(config))]
     try:
         result = client.txn(guards, [Put(node, record, lease_id), *also])
     except EtcdAuthError:
@@ -208,8 +213,7 @@ def with_node_key(prefix: str, node_id: str, lease_id: int, slot_ops: Sequence[N
     transaction see its own writes): TxnResult.reads is (our join, the shared range).
     """
     round_key = p.round_key(prefix)
-    first_round = carried_plan.round_value(
-        p.RoundState(0, p.OPEN, p.Cause(p.CauseKind.START).text()), None, None)
+    first_round = carried_plan.round_value(p.first_round(), None, None)
     ops: list[Put | Get | Nested] = [
         Nested((key_missing(round_key),), (Put(round_key, first_round),)), *slot_ops]
     if joiner is not None:
