@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "init": "worker.runtime", "finish": "worker.runtime", "current": "worker.runtime",
-    "Context": "worker.runtime", "Checkpointer": "worker.runtime",
+    "Context": "worker.runtime", "Checkpointer": "worker.job_checkpointer",
     "EXIT_FOR_RESIZE": "worker.runtime", "report": "worker.runtime",
     "CheckpointError": "worker.checkpoint.checkpointer",
     "StaleWriterError": "worker.checkpoint.checkpointer",

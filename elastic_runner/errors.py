@@ -91,6 +91,10 @@ class CheckpointWriteError(CheckpointError):
 class StaleWriterError(CheckpointError):
     """The latest store refused our record: a newer round owns the history."""
 
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step  # the refused checkpoint's
+
 
 class ShutdownRequested(ElasticRunError):
     """SIGTERM/SIGINT reached the agent; not a failure of the job."""

@@ -95,6 +95,11 @@ class StepBoundary:
     def enabled(self) -> bool:
         return self._notice_path is not None or self.pause_asked is not None
 
+    @property
+    def in_place(self) -> bool:
+        """Under er.elastic: this round ends in a re-formation in this process."""
+        return self.pause_asked is not None
+
     def asked(self) -> bool:
         return self._notice_path is not None and self._notice_path.exists()
 
@@ -155,8 +160,7 @@ class StepBoundary:
         as contributed (a notice file appearing since must not change our part)."""
         value, every_noticed = int(reduced[0]), int(reduced[1]) == -1
         return Agreement(value, every_noticed, noticed,
-                         in_place=value > 0 and self.pause_asked is not None
-                         and not every_noticed)
+                         in_place=value > 0 and self.in_place and not every_noticed)
 
     def _start(self, pause: bool):
         import torch

@@ -34,6 +34,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--release", default="")
     parser.add_argument("--ckpt", default="")
     parser.add_argument("--every", type=int, default=0)
+    parser.add_argument("--fenced-while", default="",
+                        help="the checkpoint record refuses every save while this file exists")
     parser.add_argument("--assignment-timeout", type=float, default=120.0)
     parser.add_argument("--no-sampler", action="store_true",
                         help="no ElasticSampler: the loop counts steps and calls state.commit()")
@@ -69,7 +71,8 @@ def main() -> None:
         state = er.State(model=model, optimizer=optimizer)
     else:
         state = er.State(model=model, optimizer=optimizer, sampler=sampler)
-    ckpt = er.Checkpointer(args.ckpt, every=args.every) if args.ckpt else None
+    store = FencedWhile(Path(args.fenced_while)) if args.fenced_while else None
+    ckpt = er.Checkpointer(args.ckpt, every=args.every, latest_store=store) if args.ckpt else None
     if ckpt is not None:
         state.restore(ckpt)
 
@@ -100,6 +103,23 @@ def main() -> None:
     last = train()
     log("done", step=last, hash=param_hash(model))
     er.finish()
+
+
+class FencedWhile:
+    """A latest store that refuses every record while `path` exists, as the etcd record
+    does once the next round has a plan (checkpoint/etcd_store.py)."""
+
+    def __init__(self, path: Path):
+        self.path, self.record = path, er.MemoryLatestStore()
+
+    def read(self):
+        return self.record.read()
+
+    def publish(self, record) -> bool:
+        return not self.path.exists() and self.record.publish(record)
+
+    def retract(self, bad, replacement) -> bool:
+        return not self.path.exists() and self.record.retract(bad, replacement)
 
 
 def counted_steps(state, args):

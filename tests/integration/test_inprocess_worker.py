@@ -301,6 +301,38 @@ def test_a_node_with_notice_leaves_without_a_checkpoint_and_the_others_pause(
     assert_consistent(cluster, {0: 3, 1: 2})
 
 
+def test_a_save_refused_because_the_round_closed_does_not_end_the_worker(cluster_of, tmp_path):
+    """Seen in the spot replay: rank 0 saved the step in flight just after the next
+    round got its plan; the record refused it (the round is over) and the worker died
+    of StaleWriterError, so a re-formation became a restart. Under er.elastic the
+    state lives on in memory: the worker pauses at the boundary, re-forms, and its
+    next save is recorded."""
+    cluster = cluster_of(2)
+    fence = tmp_path / "next-round-has-a-plan"
+    ckpt = tmp_path / "ckpt"
+    port = free_port()
+    for rank, node in enumerate(cluster.nodes):
+        node.start(cluster, rank, 2, port, 0, "--hold-at", str(HOLD), "--ckpt", str(ckpt),
+                   "--every", "1", "--fenced-while", str(fence))
+    cluster.wait_held(cluster.nodes)
+    fence.touch()
+    for node in cluster.nodes:
+        node.channel.ask_pause(0)
+    cluster.go.touch()
+    paused = cluster.wait_phase(cluster.nodes, 0, PAUSED)
+    assert [(s.step, s.reason) for s in paused] == [(HOLD + 1, ASKED)] * 2
+    first, second = cluster.nodes
+    assert f"checkpoint step {HOLD + 1} not recorded" in first.output()
+    fence.unlink()
+    port = free_port()
+    assign(first, 1, 0, 2, port)
+    assign(second, 1, 1, 2, port)
+    assert cluster.exit_codes(cluster.nodes) == [0, 0]
+    assert_consistent(cluster, {0: 2, 1: 2})
+    assert pids_by_round(cluster)[1] == {first.proc.pid, second.proc.pid}
+    assert (ckpt / f"step-{LAST_STEP:08d}" / "MANIFEST.json").exists()
+
+
 def test_a_standby_newcomer_is_ready_before_the_pause_and_joins_with_its_model_built(
         cluster_of, tmp_path):
     """A joining node's worker started on standby (agent/standby.py): it runs the script

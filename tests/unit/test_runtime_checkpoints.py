@@ -10,10 +10,10 @@ import logging
 import pytest
 import torch
 
-from elastic_runner.worker import runtime
+from elastic_runner.worker import job_checkpointer, runtime
 from elastic_runner.worker.checkpoint import storage as checkpoint_storage
 from elastic_runner.worker.checkpoint.checkpointer import MemoryLatestStore
-from elastic_runner.errors import CheckpointWriteError
+from elastic_runner.errors import CheckpointWriteError, StaleWriterError
 from elastic_runner.events import read_jsonl
 from tests.helpers.gates import gate_storage_writes
 
@@ -49,9 +49,9 @@ def saved_steps(tmp_path) -> list[int]:
 def test_finish_waits_for_every_checkpointer_and_raises_the_failure(context, tmp_path,
                                                                    monkeypatch):
     disk_full_for(monkeypatch, 20)
-    good = runtime.Checkpointer(tmp_path / "good", async_save=True,
+    good = job_checkpointer.Checkpointer(tmp_path / "good", async_save=True,
                                 latest_store=MemoryLatestStore())
-    bad = runtime.Checkpointer(tmp_path / "bad", async_save=True)
+    bad = job_checkpointer.Checkpointer(tmp_path / "bad", async_save=True)
     good.save(10, {"w": torch.ones(3)})
     bad.save(20, {"w": torch.ones(3)})
     with pytest.raises(CheckpointWriteError, match="step 20") as info:
@@ -67,7 +67,7 @@ def test_leaving_the_with_block_fails_on_a_lost_save(context, tmp_path, monkeypa
     disk_full_for(monkeypatch, 7)
     with pytest.raises(CheckpointWriteError, match="step 7"):
         with context:
-            runtime.Checkpointer(tmp_path, async_save=True).save(7, {"w": torch.ones(1)})
+            job_checkpointer.Checkpointer(tmp_path, async_save=True).save(7, {"w": torch.ones(1)})
     assert runtime.current() is None
 
 
@@ -75,7 +75,7 @@ def test_sys_exit_0_inside_the_block_does_not_hide_a_lost_save(context, tmp_path
     disk_full_for(monkeypatch, 7)
     with pytest.raises(CheckpointWriteError):
         with context:
-            runtime.Checkpointer(tmp_path, async_save=True).save(7, {"w": torch.ones(1)})
+            job_checkpointer.Checkpointer(tmp_path, async_save=True).save(7, {"w": torch.ones(1)})
             raise SystemExit(0)
 
 
@@ -85,7 +85,7 @@ def test_the_blocks_own_error_wins_and_the_lost_save_is_logged(context, tmp_path
     caplog.set_level(logging.ERROR, logger="elastic_runner.worker.runtime")
     with pytest.raises(ZeroDivisionError):
         with context:
-            runtime.Checkpointer(tmp_path, async_save=True).save(7, {"w": torch.ones(1)})
+            job_checkpointer.Checkpointer(tmp_path, async_save=True).save(7, {"w": torch.ones(1)})
             1 / 0
     assert any("step 7" in r.getMessage() for r in caplog.records)
 
@@ -93,7 +93,7 @@ def test_the_blocks_own_error_wins_and_the_lost_save_is_logged(context, tmp_path
 def test_async_checkpoint_saved_comes_from_the_completed_write(context, tmp_path, monkeypatch):
     gate = gate_storage_writes(monkeypatch)
     store = MemoryLatestStore()
-    ckpt = runtime.Checkpointer(tmp_path / "ckpt", async_save=True, latest_store=store)
+    ckpt = job_checkpointer.Checkpointer(tmp_path / "ckpt", async_save=True, latest_store=store)
     ckpt.save(10, {"w": torch.ones(2)})
     assert saved_steps(tmp_path) == [] and not (tmp_path / "progress" / "checkpoint.json").exists()
     gate.set()
@@ -108,8 +108,34 @@ def test_async_checkpoint_saved_comes_from_the_completed_write(context, tmp_path
 
 def test_a_failed_sync_save_is_not_announced(context, tmp_path, monkeypatch):
     disk_full_for(monkeypatch, 5)
-    ckpt = runtime.Checkpointer(tmp_path / "ckpt")
+    ckpt = job_checkpointer.Checkpointer(tmp_path / "ckpt")
     ckpt.save(4, {"w": torch.ones(1)})
     with pytest.raises(CheckpointWriteError):
         ckpt.save(5, {"w": torch.ones(1)})
     assert saved_steps(tmp_path) == [4]
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["er.elastic", "restart-path"])
+def test_a_refused_save_ends_only_a_worker_that_cannot_re_form_in_place(
+        context, tmp_path, caplog, in_place):
+    """A round can close while rank 0 saves the step in flight: the record is fenced.
+    Under er.elastic the worker outlives its round and its peers hold the state, so the
+    refusal is a warning and the step goes on to its boundary; on the restart path the
+    worker must stop (its round is over) and the error says so."""
+    store = MemoryLatestStore({"url": "elsewhere", "step": 50, "sha256": "0" * 64,
+                               "world_size": 2})  # the next round's record
+    ckpt = job_checkpointer.Checkpointer(tmp_path / "ckpt", latest_store=store)
+    if in_place:
+        context.boundary.pause_asked = lambda: False  # what elastic.Reformer attaches
+    caplog.set_level(logging.WARNING, logger="elastic_runner.worker.runtime")
+    if not in_place:
+        with pytest.raises(StaleWriterError, match="step 40 .*Stop this worker") as info:
+            ckpt.save(40, {"w": torch.ones(1)})
+        assert info.value.step == 40
+    else:
+        assert ckpt.save(40, {"w": torch.ones(1)}) is None
+        (line,) = [r.getMessage() for r in caplog.records if "not recorded" in r.getMessage()]
+        assert line.startswith("checkpoint step 40 not recorded") and "er.elastic" in line
+    assert store.read()["step"] == 50 and saved_steps(tmp_path) == []
+    assert ckpt.save(60, {"w": torch.ones(1)}) is not None  # a newer step is recorded
+    assert store.read()["step"] == 60 and saved_steps(tmp_path) == [60]

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from elastic_runner.errors import CheckpointError, CheckpointWriteError, StaleWriterError
 from elastic_runner.events import read_jsonl
-from elastic_runner.worker import runtime
+from elastic_runner.worker import job_checkpointer, runtime
 from elastic_runner.worker.checkpoint import sharded_files
 from elastic_runner.worker.checkpoint import storage as checkpoint_storage
 from elastic_runner.worker.checkpoint.checkpointer import Checkpointer, MemoryLatestStore
@@ -245,14 +245,14 @@ def context(tmp_path, monkeypatch):
 def test_one_flag_switches_the_format_of_the_same_script(group, context, tmp_path, sharded):
     objs = objects()
     train(objs, 2)
-    ckpt = runtime.Checkpointer(tmp_path, sharded=sharded, keep=3, every=2)
+    ckpt = job_checkpointer.Checkpointer(tmp_path, sharded=sharded, keep=3, every=2)
     assert ckpt.restore(objs) is None
     assert ckpt.due(2)
     assert ckpt.save(2, objs) == f"file://{tmp_path}/step-00000002"
     ckpt.close()
     fresh = objects(seed=1)
     state = State(**fresh)
-    assert state.restore(runtime.Checkpointer(tmp_path, sharded=sharded)) == 2
+    assert state.restore(job_checkpointer.Checkpointer(tmp_path, sharded=sharded)) == 2
     assert state.step == 2 and same(fresh, objs)
     kinds = [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")]
     assert kinds == ["checkpoint_saved", "checkpoint_loaded"]
@@ -260,12 +260,12 @@ def test_one_flag_switches_the_format_of_the_same_script(group, context, tmp_pat
 
 def test_a_resize_saves_the_registered_step_on_every_rank(group, context, tmp_path):
     objs = objects()
-    ckpt = runtime.Checkpointer(tmp_path, sharded=True, async_save=True)
+    ckpt = job_checkpointer.Checkpointer(tmp_path, sharded=True, async_save=True)
     ckpt.restore(objs)  # registers the objects
     train(objs, 3)
     assert ckpt.save_for_resize(3)
     fresh = objects(seed=1)
-    assert runtime.Checkpointer(tmp_path, sharded=True).restore(fresh) == 3
+    assert job_checkpointer.Checkpointer(tmp_path, sharded=True).restore(fresh) == 3
     assert same(fresh, objs)
     ckpt.close()
 

@@ -11,7 +11,7 @@ import torch
 import elastic_runner as er
 from elastic_runner.contract import EXIT_FOR_RESIZE, WorkerEnv
 from elastic_runner.reform import FAILED, PAUSED, Assignment, ReformChannel
-from elastic_runner.worker import elastic, runtime
+from elastic_runner.worker import elastic, job_checkpointer, runtime
 from elastic_runner.worker import sampler as sampler_module
 from elastic_runner.worker.sampler import ElasticSampler
 from elastic_runner.worker.state import ShardedStateError, State, plan_transfer
@@ -197,7 +197,7 @@ def test_an_asked_pause_raises_reform_requested_after_the_step_completes(context
 
 def test_a_notice_on_every_rank_saves_as_on_the_restart_path(context, tmp_path):
     state = make_state()
-    ckpt = runtime.Checkpointer(tmp_path / "ckpt", rank=0)
+    ckpt = job_checkpointer.Checkpointer(tmp_path / "ckpt", rank=0)
     ckpt.register(state)
     context.boundary.pause_asked = lambda: False
     (tmp_path / "notice").touch()  # the one rank leaves: nobody keeps the state

@@ -410,8 +410,7 @@ class Checkpointer:
         return StaleWriterError(
             f"latest_store refused checkpoint step {step} under {root}: a newer step is "
             "recorded or this writer was fenced (its round is over). Stop this worker "
-            "and let the launcher restart it."
-        )
+            "and let the launcher restart it.", step)
 
     def _commit(self, step: int, data: bytes, sha: str) -> dict[str, Any]:
         """Rewriting an unpublished step is allowed; the newest write wins."""

@@ -3,7 +3,7 @@
 Why a record outside the checkpoint files: a fenced writer (its round is over) can
 still write files, but it must not make them the ones everybody resumes from. So the
 record is a compare-and-swap value (in etcd for real jobs, `EtcdLatestStore` in
-runtime.py) that only moves forward, and it fences stale writers.
+etcd_store.py) that only moves forward, and it fences stale writers.
 
 Why retraction: a record whose checkpoint later fails verification (a flipped bit on
 storage) would otherwise fence the job out of its own past: readers fall back to an

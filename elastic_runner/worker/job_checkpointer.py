@@ -1,0 +1,216 @@
+"""er.Checkpointer: the checkpointer that knows its job.
+
+The generic Checkpointer (checkpoint/checkpointer.py) knows files, manifests and a
+latest record. Under elastic-run a checkpointer also belongs to the worker's Context:
+its record lives in etcd and is fenced by the round, the runtime saves its registered
+objects when every rank agreed to stop for a resize, its saves feed the agent's events
+and metrics, and an in-process re-formation (er.elastic) rebinds it to the new round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from elastic_runner.contract import CHECKPOINT_RECORD, EXIT_FOR_RESIZE
+from elastic_runner.errors import StaleWriterError
+from elastic_runner.files import write_atomic
+from elastic_runner.reform import STANDBY_ROUND
+from elastic_runner.worker.checkpoint import checkpointer as _checkpoint
+from elastic_runner.worker.checkpoint.background import BackgroundWriter
+from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
+from elastic_runner.worker.checkpoint.objects import holds_objects, state_of
+from elastic_runner.worker.runtime import Context, current, finish
+
+# The runtime's name: a user filters the worker's lines by it, whichever module speaks.
+log = logging.getLogger("elastic_runner.worker.runtime")
+
+
+def _write_checkpoint_progress(folder: str, step: int, url: str, duration_s: float) -> None:
+    """The agent's metrics read this for checkpoint age and save time (rank 0's node)."""
+    record = {"step": step, "url": url, "time": time.time(), "duration_s": duration_s}
+    try:
+        # Not durable: a metrics input, rewritten after every save.
+        write_atomic(os.path.join(folder, CHECKPOINT_RECORD), json.dumps(record).encode(),
+                     durable=False)
+    except OSError as exc:
+        log.debug("checkpoint progress not written: %s", exc)
+
+
+class Checkpointer(_checkpoint.Checkpointer):
+    """A Checkpointer that knows the job: etcd record, resizes, registered state.
+
+    State for a resize: the runtime saves, at the step every rank agreed to stop,
+    whatever was registered: the objects passed to `save(step, objects)` or
+    `restore(objects)` (anything with state_dict()), or `register(...)`. A script that
+    only ever passes finished state dicts gives the runtime nothing current to save;
+    it resumes from its last checkpoint and says so once.
+    """
+
+    def __init__(self, url_or_path, keep: int | None = 3, every: int | None = None,
+                 async_save: bool = False, rank: int | None = None, latest_store=None, **kwargs):
+        context = current()
+        if rank is None and context is not None and context.round == STANDBY_ROUND:
+            rank = -1  # standby (reform.py): only a reader until rebind() gives it a place
+        # The record we open ourselves is fenced by the round: rebind() reopens it.
+        self._own_store = latest_store is None and context is not None and bool(
+            context.etcd_endpoints)
+        if self._own_store:
+            latest_store = _etcd_store(context)
+        super().__init__(url_or_path, keep=keep, every=every, async_save=async_save, rank=rank,
+                         latest_store=latest_store, **kwargs)
+        self._context = context
+        self._stopping = False
+        self._registered: Any = None
+        self._last_saved: int | None = None
+        self._asks_due = False
+        if context is not None:
+            context.checkpointers.append(self)
+        self._events = _event_log(context)
+
+    def rebind(self) -> None:
+        """The job re-formed in place (Context.move): same process, new rank, world
+        size and round. A save in flight ends first, as the old round's (its record
+        may be refused now that the new round has a plan: the state stays in memory,
+        so that is a warning); the new rank 0 probes the root and writes from now on."""
+        try:
+            self.wait()
+        except StaleWriterError as error:
+            log.warning("%s (training goes on from the state in memory)", error)
+        context = self._context
+        self.rank, self._world_size = context.rank, context.world_size
+        if self._sharded is not None:
+            self._sharded.rebind()
+        if (self.rank == 0 or self._sharded is not None) and not self._closed:
+            self._storage.probe()
+            if self.config.async_save and self._writer is None:
+                self._writer = BackgroundWriter(self._exit_line)
+        if self._own_store:
+            self._latest.close()
+            self._latest = _etcd_store(context)
+        self._events = _event_log(context)
+
+    def register(self, state: Any) -> None:
+        """What to save when the runtime stops for a resize: a mapping of name ->
+        object with state_dict() (or plain value), or a function returning the state."""
+        self._registered = state
+
+    def due(self, step: int) -> bool:
+        """True when `every` says so, or (scripts without ElasticSampler) when the job
+        agreed to stop at this step; save() then writes it and exits for the resize."""
+        self._asks_due = True
+        boundary = self._context.boundary if self._context is not None else None
+        if boundary is not None and boundary.enabled and not boundary.active:
+            boundary.due_driven = True
+            if boundary.agree_now():
+                self._stopping = True
+                self.request_save()
+            boundary.write(step, None, stopping=step if self._stopping else None)
+        return super().due(step)
+
+    def save(self, step: int, state_dict: Any) -> str | None:
+        """Write checkpoint `step`. Given objects (modules, optimizers, the sampler),
+        their state_dict() is saved and they are registered for resizes.
+
+        Under er.elastic, a save the latest store refuses returns None with a warning
+        instead of raising StaleWriterError: a round can close while rank 0 saves the
+        step in flight, and the worker outlives its round, so ending it for a durable
+        copy its peers still hold in memory would turn a re-formation into a restart."""
+        if holds_objects(state_dict):
+            self._registered = state_dict
+        try:
+            where = super().save(step, state_dict if self.config.sharded else state_of(state_dict))
+        except StaleWriterError as error:
+            if not self._re_forms_in_place():
+                raise
+            log.warning("checkpoint step %s not recorded: the latest store refused it (this "
+                        "round is over, or a newer step is recorded); under er.elastic training "
+                        "goes on from the state in memory, and the first save after the "
+                        "re-formation records it", error.step)
+            return None
+        self._last_saved = step
+        if self._stopping:
+            self.wait()
+            log.warning("spot notice: checkpoint of step %d written; stopping for the resize", step)
+            finish()
+            raise SystemExit(EXIT_FOR_RESIZE)
+        return where
+
+    def restore(self, objects: Mapping[str, Any]) -> int | None:
+        """Load the newest verified checkpoint into `objects` (each entry's
+        load_state_dict) and register them; return its step, or None if there is none."""
+        self._registered = objects
+        step = super().restore(objects)
+        if self.config.sharded:
+            self._emit_loaded()
+        return step
+
+    def _re_forms_in_place(self) -> bool:
+        """This worker runs under er.elastic: its round ends in a re-formation, not an exit."""
+        return self._context is not None and self._context.boundary.in_place
+
+    def defers_to_due(self) -> bool:
+        """Nothing registered, but the script asks due() every step: let it save."""
+        return self._registered is None and self._asks_due
+
+    def stop_at_next_save(self) -> None:
+        self._stopping = True
+        self.request_save()
+
+    def save_for_resize(self, step: int) -> bool:
+        """At an agreed stop: rank 0 (sharded: every rank) saves the registered state of
+        `step` and waits for it. True when a checkpoint of `step` exists (saved now or before)."""
+        if (self.rank != 0 and not self.config.sharded) or self._closed:
+            return self._registered is not None
+        if self._last_saved == step:
+            self.wait()
+            return True
+        if self._registered is None:
+            log.warning("resize at step %d: nothing registered with the Checkpointer, so "
+                        "the steps since the last checkpoint are redone; pass the objects "
+                        "(not their state_dict()) to save() or restore(), or call register()",
+                        step)
+            return False
+        registered = self._registered() if callable(self._registered) else self._registered
+        self.save(step, registered)
+        self.wait()
+        return True
+
+    def load_latest(self) -> Any:
+        state = super().load_latest()
+        self._emit_loaded()
+        return state
+
+    def _emit_loaded(self) -> None:
+        if self._events is not None and self.rank == 0 and self.loaded_step is not None:
+            self._events.emit("checkpoint_loaded", step=self.loaded_step,
+                              round=self._context.round)
+
+    def _saved(self, step: int, url: str, duration_s: float) -> None:
+        """Verified and published: only now may the event log and metrics say so.
+        Runs in the writer thread for async saves (EventLog.emit is thread-safe)."""
+        if self._events is not None:
+            self._events.emit("checkpoint_saved", step=step, url=url,
+                              round=self._context.round, notice=self._stopping,
+                              duration_s=duration_s)
+        if self._context is not None and self._context.progress_dir:
+            _write_checkpoint_progress(self._context.progress_dir, step, url, duration_s)
+
+    def _exit_line(self, error: BaseException) -> str:
+        return f"elastic-run worker: error: {error}"
+
+
+def _etcd_store(context: Context) -> EtcdLatestStore:
+    return EtcdLatestStore(context.etcd_endpoints, context.etcd_prefix, context.round,
+                           context.etcd_options)
+
+
+def _event_log(context: Context | None):
+    if context is None or not context.events_path:
+        return None
+    from elastic_runner.events import EventLog
+    return EventLog(f"rank{context.rank}", context.run_id, Path(context.events_path))
