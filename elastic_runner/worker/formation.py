@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
@@ -112,27 +113,58 @@ def _connect(place: Place, timeout_s: float, deadline: float,
         return TCPStore(place.master_addr, place.master_port,
                         place.world_size, is_master=True, wait_for_workers=False,
                         multi_tenant=True, timeout=datetime.timedelta(seconds=timeout_s))
+    attempt: _Attempt | None = None
     while True:
         if called_off():
-            return None
-        if not _listening(place.master_addr, place.master_port):
-            if time.monotonic() >= deadline:
-                raise DistNetworkError(f"rank 0's store at {place.master_addr}:"
-                                       f"{place.master_port} did not open within "
-                                       f"{timeout_s:g} s")
-            time.sleep(ARRIVAL_POLL_S)
+            return None  # an attempt still blocked in torch is left to finish on its own
+        if time.monotonic() >= deadline:
+            raise DistNetworkError(f"rank 0's store at {place.master_addr}:{place.master_port} "
+                                   f"did not open and answer within {timeout_s:g} s")
+        if attempt is None:
+            if not _listening(place.master_addr, place.master_port):
+                time.sleep(ARRIVAL_POLL_S)
+                continue
+            seconds = max(0.05, min(CONNECT_ATTEMPT_S, deadline - time.monotonic()))
+            attempt = _Attempt(lambda: TCPStore(
+                place.master_addr, place.master_port, is_master=False, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=seconds)))
+        if not attempt.finished(ARRIVAL_POLL_S):
             continue
-        attempt = max(0.05, min(CONNECT_ATTEMPT_S, deadline - time.monotonic()))
+        if isinstance(attempt.error, DistError):
+            attempt = None  # rank 0's store went away between the probe and the connect
+            continue
+        if attempt.error is not None:
+            raise attempt.error
+        attempt.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return attempt.store
+
+
+class _Attempt:
+    """One TCPStore client constructor, run in a daemon thread while the caller keeps
+    looking at its channel. Why: torch's constructor can block far past its timeout
+    (torch 2.13, c10d TCPStore's constructor): a refused connect backs off up to ~1.4 s
+    before the next try whatever the timeout, and its handshake, TCPStore::ping, is a
+    recv without a timeout, so it waits forever on a listener that accepts and never
+    answers (measured: still there after 10 minutes). The constructor releases the
+    GIL. An attempt given up on ends when its peer answers or closes."""
+
+    def __init__(self, make: Callable[[], Store]):
+        self.store: Store | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(make,), daemon=True,
+                         name="elastic-run-store-connect").start()
+
+    def _run(self, make: Callable[[], Store]) -> None:
         try:
-            store = TCPStore(place.master_addr, place.master_port,
-                             is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=attempt))
-        except DistError:
-            if time.monotonic() >= deadline:
-                raise
-            continue
-        store.set_timeout(datetime.timedelta(seconds=timeout_s))
-        return store
+            self.store = make()
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting caller
+            self.error = error
+        finally:
+            self._done.set()
+
+    def finished(self, wait_s: float) -> bool:
+        return self._done.wait(wait_s)
 
 
 def _listening(host: str, port: int) -> bool:

@@ -1,0 +1,122 @@
+"""worker/formation.py against a round's store that never answers.
+
+Rank 0 of a re-formed round hosts the round's TCPStore. Found in the spot replay: a
+rank connecting to a store that was going away sat 1.8 s inside torch's constructor
+(a backoff past its 0.5 s timeout) after its agent had called the round off. Worse, a
+listener that accepts and never answers holds torch's handshake forever (measured:
+still in TCPStore::ping's recv after 10 minutes). The rank must leave as soon as the
+round is called off, and fail by its deadline when it is not. A stopped rank 0
+(SIGSTOP) is the third case: its store refuses the probe, and the rank fails by the
+deadline too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from torch.distributed import DistNetworkError
+
+from elastic_runner.etcd.server import free_port
+from elastic_runner.worker import formation
+
+ROUND, WORLD = 4, 2
+# The store of a real rank 0, in its own process, which the test stops with SIGSTOP.
+HOST_STORE = """
+import datetime, sys, time
+from torch.distributed import TCPStore
+TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=True, wait_for_workers=False,
+         multi_tenant=True, timeout=datetime.timedelta(seconds=60))
+print("listening", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def stopped_rank0():
+    """The port of a rank 0 whose process hosts the round's store and is then stopped."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", HOST_STORE, str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "listening"
+        os.kill(proc.pid, signal.SIGSTOP)
+        yield port
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def silent_listener():
+    """A listener that accepts (the kernel's backlog) and never says a word."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        yield server.getsockname()[1]
+
+
+def meet_in_thread(port: int, timeout_s: float, called_off) -> dict:
+    """formation.meet as rank 1, in a thread the test can give up on: the code before
+    this fix never returned, and a test must not hang with it."""
+    outcome: dict = {}
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            outcome["store"] = formation.meet(
+                formation.Place(ROUND, 1, WORLD, "127.0.0.1", port), timeout_s, called_off)
+        except Exception as error:  # noqa: BLE001 - the test asserts on it
+            outcome["error"] = error
+        outcome["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s + 10)
+    assert not thread.is_alive(), f"meet() still blocked {timeout_s + 10:g} s later"
+    return outcome
+
+
+def test_a_round_called_off_while_its_store_holds_the_handshake_is_left_at_once(
+        silent_listener):
+    called_off_at = time.monotonic() + 0.5
+    outcome = meet_in_thread(silent_listener, 30.0, lambda: time.monotonic() >= called_off_at)
+    assert outcome.get("store", "none") is None and "error" not in outcome
+    assert outcome["seconds"] < 3.0  # called off after 0.5 s; the formation timeout is 30 s
+
+
+def test_a_store_that_accepts_and_never_answers_fails_by_the_deadline(silent_listener):
+    outcome = meet_in_thread(silent_listener, 2.0, lambda: False)
+    assert isinstance(outcome.get("error"), DistNetworkError)
+    assert "did not open and answer within 2 s" in str(outcome["error"])
+    assert 2.0 <= outcome["seconds"] < 8.0
+
+
+def test_a_stopped_rank_0_fails_the_formation_by_its_deadline(stopped_rank0):
+    outcome = meet_in_thread(stopped_rank0, 2.0, lambda: False)
+    assert isinstance(outcome.get("error"), DistNetworkError)
+    assert 2.0 <= outcome["seconds"] < 8.0
+
+
+def test_a_store_that_answers_is_met_once_every_rank_arrived():
+    """The ordinary case still forms: rank 0 and rank 1 meet in the round's store."""
+    port = free_port()
+    results: dict = {}
+
+    def rank0() -> None:
+        results[0] = formation.meet(formation.Place(ROUND, 0, WORLD, "127.0.0.1", port),
+                                    10.0, lambda: False)
+
+    thread = threading.Thread(target=rank0, daemon=True)
+    thread.start()
+    outcome = meet_in_thread(port, 10.0, lambda: False)
+    thread.join(15)
+    assert "error" not in outcome and outcome["store"] is not None and results[0] is not None
+    results[0].set("from-rank-0", b"hello")
+    assert outcome["store"].get("from-rank-0") == b"hello"
