@@ -127,7 +127,7 @@ def replay(key: str, schedule, duration: float, args, endpoint: str, wd: Path) -
             name = f"n{counter:03d}"
             job.start(name)
             present[name] = now
-            log.append({"t": now, "event": "add", "node": name})
+            log.append({"t": now, "event": "add", "node": name, "pid": job.agents[name].pid})
         for n, at in list(reclaiming.items()):
             if now >= at:
                 c.kill_tree(job.agents[n].pid)
@@ -172,7 +172,7 @@ def replay(key: str, schedule, duration: float, args, endpoint: str, wd: Path) -
             "cost_rel_on_demand": (SPOT / ON_DEMAND) / goodput if goodput else None,
             "spot_usd_per_1M_samples": SPOT / 3600 * node_seconds / useful * 1e6 if useful else None,
             "on_demand_usd_per_1M_samples": ON_DEMAND / 3600 / per_node_rate * 1e6 if per_node_rate else None,
-            "events": log}
+            "t0_unix": t0, "events": log}
 
 
 def boot_figures(job, log: list[dict], duration: float, t0: float, end: float) -> dict:
