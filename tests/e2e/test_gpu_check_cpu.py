@@ -41,3 +41,17 @@ def test_the_shell_script_says_no_gpu_and_exits_2():
     assert "Traceback" not in done.stdout + done.stderr
     assert done.stderr.strip().startswith("gpu_check: cannot run here:")
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_shell_script_runs_another_interpreter_and_names_a_missing_one():
+    """--python: a GPU image's own CUDA torch, without a .venv of ours."""
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--python",
+                           sys.executable, "--cpu"], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == "gpu_check: 11 of 11 checks passed"
+    missing = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--python",
+                              "no-such-python3"], capture_output=True, text=True, timeout=60,
+                             cwd=ROOT)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == "gpu_check: cannot run here: no interpreter no-such-python3"
