@@ -79,9 +79,13 @@ def test_unknown_run_is_one_clear_error(etcd):
 def test_watch_rerenders_when_a_node_joins(job):
     job.start("a")
     job.wait_world(1)
+    # SIGINT as a terminal's Ctrl-C finds it: a test run started in the background by a
+    # non-interactive shell ignores SIGINT, the watcher would inherit that, and Python
+    # then installs no KeyboardInterrupt handler (seen: the watcher ignored the SIGINT).
     watcher = subprocess.Popen([sys.executable, "-m", "elastic_runner", "status",
                                 "--rdzv-endpoints", job.endpoint, "--run-id", job.run_id,
-                                "--json", "--watch"], stdout=subprocess.PIPE, text=True)
+                                "--json", "--watch"], stdout=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in watcher.stdout],
                      daemon=True).start()
