@@ -162,6 +162,11 @@ def replay(key: str, schedule, duration: float, args, endpoint: str, wd: Path) -
     boot = boot_figures(job, log, duration, t0, end)
     times = [t0] + [r["t"] for r in rows] + [end]
     stalled = sum(b - a for a, b in zip(times, times[1:]) if step_s and b - a > 1.0)
+    # For a post-mortem: each stretch without steps and the trace's events around it.
+    stalls = [{"from_s": round(a - t0, 2), "to_s": round(b - t0, 2),
+               "events": [f"{e['event']} {e['node']} @{e['t']:.1f}" for e in log
+                          if a - t0 - 3.0 < e["t"] < b - t0]}
+              for a, b in zip(times, times[1:]) if step_s and b - a > 1.0]
     return {"label": label, "useful_samples": useful, "lost_samples": lost,
             "redone_steps": redone_steps, "unique_steps": len(done), "resizes": resizes,
             "worker_starts_rank0": len({r["pid"] for r in rows}), "agents_started": counter,
@@ -172,7 +177,7 @@ def replay(key: str, schedule, duration: float, args, endpoint: str, wd: Path) -
             "cost_rel_on_demand": (SPOT / ON_DEMAND) / goodput if goodput else None,
             "spot_usd_per_1M_samples": SPOT / 3600 * node_seconds / useful * 1e6 if useful else None,
             "on_demand_usd_per_1M_samples": ON_DEMAND / 3600 / per_node_rate * 1e6 if per_node_rate else None,
-            "t0_unix": t0, "events": log}
+            "t0_unix": t0, "stalls": stalls, "events": log}
 
 
 def boot_figures(job, log: list[dict], duration: float, t0: float, end: float) -> dict:
