@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -30,6 +31,7 @@ from elastic_runner.errors import (
     ConfigError, EtcdAuthError, EtcdError, EtcdUnavailable, LeaseNotFound,
 )
 from elastic_runner.etcd.endpoints import parse_endpoint
+from elastic_runner.etcd.keepalive import KeepAliveStream
 from elastic_runner.etcd.tls import tls_problem
 from elastic_runner.etcd.values import (
     Compare, Delete, Get, KeyValue, Nested, Put, Read, TxnResult, WatchEvent,
@@ -61,6 +63,7 @@ class EtcdClient:
         self._endpoint_text = ",".join(config.endpoints)
         self._lock = threading.Lock()
         self._client = self._connect()
+        self._keepalive = KeepAliveStream(_open_keepalive_stream, _keepalive_request)
 
     # ---- connection -------------------------------------------------------------
     def _connect(self) -> pyetcd.MultiEndpointEtcd3Client:
@@ -114,6 +117,7 @@ class EtcdClient:
         _close_quietly(stale)
 
     def close(self) -> None:
+        self._keepalive.close()
         _close_quietly(self._client)
 
     # ---- error handling ---------------------------------------------------------
@@ -241,7 +245,14 @@ class EtcdClient:
         return self._retrying(lambda: self._client.lease(ttl_s), "a lease grant").id
 
     def refresh_lease(self, lease_id: int, deadline_s: float) -> int:
-        """Refresh once; return the remaining TTL (<= 0 when the lease is gone)."""
+        """Refresh once; return the remaining TTL (<= 0 when the lease is gone). On the
+        client's long-lived keep-alive stream (keepalive.py says why), given half the
+        deadline; failing that, on a stream of its own with what is left."""
+        started = time.monotonic()
+        ttl = self._keepalive.refresh(lease_id, deadline_s / 2, self._client)
+        if ttl is not None:
+            return ttl
+        deadline_s -= time.monotonic() - started
         responses = self._retrying(
             lambda: list(self._client.refresh_lease(lease_id)), "a lease keep-alive", deadline_s
         )
@@ -417,6 +428,17 @@ class PrefixWatch:
         if events:
             self.next_revision = events[-1].mod_revision + 1
             self.on_events(events)
+
+
+def _open_keepalive_stream(client: pyetcd.MultiEndpointEtcd3Client, requests):
+    """A LeaseKeepAlive call that lives as long as `requests` (no timeout: it is meant
+    to stay open), with the client's credentials and auth token."""
+    return client.leasestub.LeaseKeepAlive(requests, None, credentials=client.call_credentials,
+                                           metadata=client.metadata)
+
+
+def _keepalive_request(lease_id: int):
+    return etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
 
 
 def _close_quietly(client) -> None:
