@@ -89,9 +89,13 @@ def test_metrics_follow_a_kill_and_report_plots_it(etcd, tmp_path):
         job.wait_for(lambda: any(e["kind"] == "checkpoint_saved" for e in read_events(events)),
                      60, "a first checkpoint")
         job.kill("b")
+        # The resize's pause is in the wait too: a scrape between the round's close and
+        # the new workers' start still saw the old round's rank files (steps/s > 0) and
+        # world size 1, before the agent had recorded the pause (seen once).
         after = wait_metric(job, url_a, lambda s: s.get("elastic_run_world_size") == 1
-                            and s.get("elastic_run_steps_per_second", 0) > 0,
-                            "world size 1 and training again on a")
+                            and s.get("elastic_run_steps_per_second", 0) > 0
+                            and s.get("elastic_run_rescale_pause_seconds_count", 0) >= 1,
+                            "world size 1, a rescale pause and training again on a")
         assert after["elastic_run_rescale_pause_seconds_count"] >= 1
         assert after["elastic_run_rounds_total"] >= 2
         # The survivor's gloo worker may fail before b's lease expires: either cause counts.
