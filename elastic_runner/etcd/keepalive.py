@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 _END = object()  # ends the request stream
@@ -40,20 +41,30 @@ class KeepAliveStream:
         """The lease's remaining TTL from etcd's answer, or None when the stream could
         not give one in time. `owner`: the library client now in use; a stream opened on
         an earlier one (before a re-authentication) is closed and opened again."""
-        with self._lock:
-            if self._stream is not None and self._stream.owner is not owner:
-                self._stream.close()
-                self._stream = None
-            if self._stream is None:
-                try:
-                    self._stream = _Stream(self._open_stream, owner)
-                except Exception:  # noqa: BLE001 - the old way says what is wrong
-                    return None
-            ttl = self._stream.ask(self._request(lease_id), lease_id, deadline_s)
-            if ttl is None:
-                self._stream.close()
-                self._stream = None
-            return ttl
+        started = time.monotonic()
+        # Leases that share a client queue here; the wait counts against each one's
+        # deadline, so a stream gone silent cannot hold the ones behind it past theirs.
+        if not self._lock.acquire(timeout=max(0.0, deadline_s)):
+            return None
+        try:
+            return self._refresh(lease_id, deadline_s - (time.monotonic() - started), owner)
+        finally:
+            self._lock.release()
+
+    def _refresh(self, lease_id: int, deadline_s: float, owner: object) -> int | None:
+        if self._stream is not None and self._stream.owner is not owner:
+            self._stream.close()
+            self._stream = None
+        if self._stream is None:
+            try:
+                self._stream = _Stream(self._open_stream, owner)
+            except Exception:  # noqa: BLE001 - the old way says what is wrong
+                return None
+        ttl = self._stream.ask(self._request(lease_id), lease_id, deadline_s)
+        if ttl is None:
+            self._stream.close()
+            self._stream = None
+        return ttl
 
     def close(self) -> None:
         with self._lock:

@@ -61,3 +61,23 @@ def test_a_stream_that_cannot_open_leaves_the_refresh_to_the_old_way():
     def refuse(owner, requests):
         raise RuntimeError("no channel")
     assert KeepAliveStream(refuse, lambda lease_id: lease_id).refresh(7, 1.0, object()) is None
+
+
+def test_leases_that_share_a_client_wait_for_the_stream_only_within_their_deadline():
+    """One lease's refresh on a silent stream holds the lock for its half-deadline;
+    the lease queued behind it gives up the stream within its own deadline (and then
+    refreshes the old way), instead of adding one wait per lease ahead of it."""
+    import threading
+    import time
+
+    server, owner = FakeServer(), object()
+    server.silent = True
+    keepalive = stream(server)
+    first = threading.Thread(target=keepalive.refresh, args=(1, 2.0, owner))
+    first.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    assert keepalive.refresh(2, 0.5, owner) is None
+    assert time.monotonic() - started < 1.0  # not the 2 s the first one may hold the stream
+    first.join()
+    keepalive.close()
