@@ -178,6 +178,12 @@ def assign(node: Node, round_number: int, rank: int, world: int, port: int) -> N
                                       "127.0.0.1", port, restart_count=0))
 
 
+def assign_in_order(nodes, round_number: int, world: int, port: int) -> None:
+    """Give `nodes` ranks 0, 1, ... of `round_number` (a rank may stay empty: world)."""
+    for rank, node in enumerate(nodes):
+        assign(node, round_number, rank, world, port)
+
+
 # ---- what every scenario checks ----------------------------------------------------
 def completed_steps(cluster: Cluster) -> dict[int, list[dict]]:
     """Each step's rows from the last round that logged it."""
@@ -250,8 +256,7 @@ def test_a_killed_peer_pauses_the_survivors_who_finish_at_two(cluster_of):
     assert all(s.reason.startswith(COLLECTIVE_ERROR + ": ") for s in paused), paused
     assert [s.step for s in paused] == [HOLD, HOLD]  # HOLD + 1 was in flight
     port = free_port()
-    assign(first, 1, 0, 2, port)
-    assign(second, 1, 1, 2, port)
+    assign_in_order((first, second), 1, 2, port)
     assert cluster.exit_codes([first, second, victim]) == [0, 0, -signal.SIGKILL]
     assert_consistent(cluster, {0: 3, 1: 2})
     round1 = [r["step"] for r in cluster.rows("step") if r["round"] == 1]
@@ -265,8 +270,7 @@ def test_a_newcomer_receives_the_state_from_one_survivor(cluster_of):
     paused = cluster.start_and_pause([first, second])
     assert [s.step for s in paused] == [HOLD + 1, HOLD + 1]
     port = free_port()
-    assign(first, 1, 0, 3, port)
-    assign(second, 1, 1, 3, port)
+    assign_in_order((first, second), 1, 3, port)
     newcomer.start(cluster, 2, 3, port, 1)
     assert cluster.exit_codes(cluster.nodes) == [0, 0, 0]
     assert_consistent(cluster, {0: 2, 1: 3})
@@ -295,8 +299,7 @@ def test_a_node_with_notice_leaves_without_a_checkpoint_and_the_others_pause(
     assert cluster.exit_codes([leaver]) == [EXIT_FOR_RESIZE]
     assert not list((tmp_path / "ckpt").glob("step-*"))  # the state stays with the others
     port = free_port()
-    assign(first, 1, 0, 2, port)
-    assign(second, 1, 1, 2, port)
+    assign_in_order((first, second), 1, 2, port)
     assert cluster.exit_codes(cluster.nodes) == [0, 0, EXIT_FOR_RESIZE]
     assert_consistent(cluster, {0: 3, 1: 2})
 
@@ -325,8 +328,7 @@ def test_a_save_refused_because_the_round_closed_does_not_end_the_worker(cluster
     assert f"checkpoint step {HOLD + 1} not recorded" in first.output()
     fence.unlink()
     port = free_port()
-    assign(first, 1, 0, 2, port)
-    assign(second, 1, 1, 2, port)
+    assign_in_order((first, second), 1, 2, port)
     assert cluster.exit_codes(cluster.nodes) == [0, 0]
     assert_consistent(cluster, {0: 2, 1: 2})
     assert pids_by_round(cluster)[1] == {first.proc.pid, second.proc.pid}
@@ -358,8 +360,7 @@ def test_a_standby_newcomer_is_ready_before_the_pause_and_joins_with_its_model_b
     paused = cluster.wait_phase([first, second], 0, PAUSED, expect_exits=(quitter,))
     assert [s.step for s in paused] == [HOLD + 1, HOLD + 1]
     port = free_port()
-    assign(first, 1, 0, 3, port)
-    assign(second, 1, 1, 3, port)
+    assign_in_order((first, second), 1, 3, port)
     assign(newcomer, 1, 2, 3, port)
     assert cluster.exit_codes(cluster.nodes) == [0, 0, 0, EXIT_FOR_RESIZE]
     assert_consistent(cluster, {0: 2, 1: 3})
@@ -383,14 +384,12 @@ def test_a_round_whose_group_never_forms_is_paused_in_and_the_next_one_taken(clu
     first, second, fresh = cluster.nodes
     cluster.start_and_pause([first, second])
     port = free_port()
-    assign(first, 1, 0, 3, port)  # rank 2 of round 1 never starts
-    assign(second, 1, 1, 3, port)
+    assign_in_order((first, second), 1, 3, port)  # rank 2 of round 1 never starts
     stuck = cluster.wait_phase([first, second], 1, PAUSED)
     assert all(s.reason.startswith(f"{COLLECTIVE_ERROR}: round 1 did not form") for s in stuck)
     assert [s.step for s in stuck] == [HOLD + 1, HOLD + 1]  # nothing trained meanwhile
     port = free_port()
-    assign(first, 2, 0, 3, port)
-    assign(second, 2, 1, 3, port)
+    assign_in_order((first, second), 2, 3, port)
     fresh.start(cluster, 2, 3, port, 2)
     assert cluster.exit_codes(cluster.nodes) == [0, 0, 0]
     assert_consistent(cluster, {0: 2, 2: 3})
@@ -413,8 +412,7 @@ def test_a_round_called_off_while_its_group_forms_is_left_at_once(cluster_of):
     first, second = cluster.nodes
     cluster.start_and_pause([first, second])
     port = free_port()
-    assign(first, 1, 0, 3, port)  # rank 2 of round 1 never comes
-    assign(second, 1, 1, 3, port)
+    assign_in_order((first, second), 1, 3, port)  # rank 2 of round 1 never comes
     store = cluster.wait(lambda: _store_client(TCPStore, port), "round 1's store")
     cluster.wait(lambda: store.add(arrival_key(1), 0) == 2, "both ranks forming round 1")
     for node in (first, second):
