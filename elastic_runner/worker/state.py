@@ -16,8 +16,9 @@ bytes only to the ranks that are behind:
   (`rollback`): that step in flight is the one re-done.
 - the sync: every rank all-gathers its step (a few bytes); the source is the lowest
   rank holding the highest step; the ranks behind it receive the source's state
-  dicts (torch.save bytes, broadcast in a group of the source and those ranks only);
-  a rank already at that step moves no bytes.
+  dicts, broadcast in a group of the source and those ranks only (tensors as raw
+  bytes in bounded buckets, loaded once all arrived: state_transfer.py); a rank
+  already at that step moves no bytes.
 
 What it assumes: the objects are replicated (DDP, or no parallelism): every rank at
 step s holds the same state. Sharded state (DTensor, FSDP2, a ShardedTensor) breaks
@@ -32,7 +33,6 @@ a rank whose collective failed mid-step then still holds the last completed step
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_runner.errors import ElasticRunError
+from elastic_runner.worker import state_transfer
 from elastic_runner.worker.sampler import ElasticSampler
 
 log = logging.getLogger("elastic_runner.worker.state")
@@ -211,7 +212,8 @@ class State(Mapping):
         return received
 
     def _transfer(self, source: int, behind: tuple[int, ...]) -> int:
-        """Broadcast the source's state to the ranks behind; bytes received here."""
+        """Send the source's state to the ranks behind (state_transfer.py); bytes
+        received here."""
         import torch.distributed as dist
 
         # Every rank creates the group, members or not: torch requires it.
@@ -220,34 +222,24 @@ class State(Mapping):
         if rank != source and rank not in behind:
             return 0
         try:
-            payload = self._payload() if rank == source else None
-            data = _broadcast_bytes(payload, source, group)
+            if rank == source:
+                state_transfer.send(self._states(), source, group, _device())
+                return 0
+            states, received = state_transfer.receive(source, group, _device())
         finally:
             dist.destroy_process_group(group)
-        if rank == source:
-            return 0
-        self._load_payload(data)
-        return len(data)
+        self._load(states)
+        return received
 
-    def _payload(self) -> bytes:
-        import torch
+    def _states(self) -> dict[str, Any]:
+        return {"step": self._step,
+                "objects": {name: value.state_dict() for name, value in self._objects.items()}}
 
-        buffer = io.BytesIO()
-        torch.save({"step": self._step,
-                    "objects": {name: value.state_dict() for name, value in self._objects.items()}},
-                   buffer)
-        return buffer.getvalue()
-
-    def _load_payload(self, data: bytes) -> None:
-        import torch
-
-        # weights_only=False: the bytes come from a peer of this job over its own
-        # process group (torch's object collectives unpickle them the same way), and
-        # users' objects may hold more than tensors.
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    def _load(self, states: dict[str, Any]) -> None:
+        """Load received state dicts: each object moves them to its own device."""
         for name, value in self._objects.items():
-            value.load_state_dict(state["objects"][name])
-        self._step = int(state["step"])
+            value.load_state_dict(states["objects"][name])
+        self._step = int(states["step"])
         self._remember_position()
 
 
@@ -269,23 +261,6 @@ def _all_gather_steps(step: int) -> list[int]:
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return [int(value.item()) for value in everyone]
-
-
-def _broadcast_bytes(payload: bytes | None, source: int, group: Any) -> bytes:
-    """The source's bytes on every member of `group`: the size first, then the bytes."""
-    import torch
-    import torch.distributed as dist
-
-    device = _device()
-    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64,
-                        device=device)
-    dist.broadcast(size, src=source, group=group)
-    if payload is not None:
-        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    else:
-        buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src=source, group=group)
-    return payload if payload is not None else buffer.cpu().numpy().tobytes()
 
 
 def _sharded_types() -> tuple[type, ...]:

@@ -5,13 +5,15 @@ one-rank group a DTensor needs)."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
 import elastic_runner as er
 from elastic_runner.contract import EXIT_FOR_RESIZE, WorkerEnv
 from elastic_runner.reform import FAILED, PAUSED, Assignment, ReformChannel
-from elastic_runner.worker import elastic, job_checkpointer, runtime
+from elastic_runner.worker import elastic, job_checkpointer, runtime, state_transfer
 from elastic_runner.worker import sampler as sampler_module
 from elastic_runner.worker.sampler import ElasticSampler
 from elastic_runner.worker.state import ShardedStateError, State, plan_transfer
@@ -86,11 +88,15 @@ def test_restore_loads_the_newest_checkpoint_and_takes_its_step(tmp_path):
     assert torch.equal(fresh.model.weight, state.model.weight)
 
 
-def test_the_payload_carries_every_object_and_the_step():
+def test_the_transferred_states_carry_every_object_and_the_step():
+    """What a receiver loads: the skeleton (pickled) filled with copies of the tensors."""
     source, receiver = make_state(), make_state()
     for _ in range(2):
         source.commit(train_one_step(source))
-    receiver._load_payload(source._payload())
+    skeleton, tensors = state_transfer.split(source._states())
+    skeleton = pickle.loads(pickle.dumps(skeleton))
+    assert [slot.index for slot in state_transfer.slots(skeleton)] == list(range(len(tensors)))
+    receiver._load(state_transfer.fill(skeleton, [tensor.clone() for tensor in tensors]))
     assert receiver.step == 2 and receiver.sampler.state_dict() == source.sampler.state_dict()
     assert torch.equal(receiver.model.weight, source.model.weight)
     momentum = [s["momentum_buffer"] for s in receiver.optimizer.state_dict()["state"].values()]

@@ -1,0 +1,130 @@
+"""Ranks of one gloo group that sync an er.State (worker/state_transfer.py).
+
+Run by tests/integration/test_state_transfer.py::
+
+    transfer_group.py SCENARIO OUT PORT
+
+The ranks are forked from this process after `import torch` (importing it costs
+seconds of CPU per process). Each builds the same model (a tied weight included)
+and Adam optimizer from seed 0; the ranks named "ahead" train `AHEAD_STEPS` steps
+first, so they hold optimizer state and a later step, and the others hold none.
+Buckets are 1,000 bytes, so the state crosses hundreds of them and tensors span
+bucket edges. Each rank writes OUT/rank<N>.json: its step, bytes received, the
+SHA-256 of its parameters and optimizer state, and, for `source-dies`, what it saw.
+
+- `three`: rank 0 ahead; ranks 1 and 2 behind.
+- `equal`: ranks 0 and 1 ahead, rank 2 behind.
+- `source-dies`: rank 0 ahead; it exits after a few buckets, mid-transfer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+AHEAD_STEPS = 3
+AHEAD = {"three": {0}, "equal": {0, 1}, "source-dies": {0}}
+BUCKETS_BEFORE_DYING = 3
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.hidden = torch.nn.Linear(16, 16).to(torch.bfloat16)
+        self.out = torch.nn.Linear(16, 50, bias=False)
+        self.out.weight = self.embed.weight  # one tensor under two names
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, tokens):
+        hidden = self.hidden(self.embed(tokens).to(torch.bfloat16)).float()
+        self.seen += tokens.numel()
+        return self.out(hidden)
+
+
+def build():
+    import elastic_runner as er
+
+    torch.manual_seed(0)
+    model = Tied()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    return model, optimizer, er.State(model=model, optimizer=optimizer)
+
+
+def fingerprint(model, optimizer) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode() + tensor.float().numpy().tobytes())
+    for index, values in sorted(optimizer.state_dict()["state"].items()):
+        for key, tensor in sorted(values.items()):
+            digest.update(f"{index}{key}".encode() + tensor.float().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def die_mid_transfer() -> None:
+    """The source exits after BUCKETS_BEFORE_DYING tensor broadcasts."""
+    real, calls = dist.broadcast, [0]
+
+    def broadcast(tensor, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 2 + BUCKETS_BEFORE_DYING:  # 2: the skeleton's size and bytes
+            os._exit(0)
+        return real(tensor, *args, **kwargs)
+
+    dist.broadcast = broadcast
+
+
+def rank_main(rank: int, scenario: str, out: str, port: int) -> None:
+    from elastic_runner.worker import state_transfer
+    from elastic_runner.worker.elastic import collective_failure
+
+    state_transfer.BUCKET_BYTES = 1000
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=3, timeout=datetime.timedelta(seconds=30))
+    model, optimizer, state = build()
+    if rank in AHEAD[scenario]:
+        for step in range(1, AHEAD_STEPS + 1):
+            optimizer.zero_grad()
+            model(torch.arange(8) % 50).sum().backward()
+            optimizer.step()
+            state.commit(step)
+    before = fingerprint(model, optimizer)
+    if scenario == "source-dies" and rank == 0:
+        die_mid_transfer()
+    result = {"rank": rank, "before": before, "tensor_bytes": sum(
+        t.numel() * t.element_size() for t in state_transfer.split(state._states())[1])}
+    try:
+        result["received"] = state.sync()
+    except RuntimeError as error:
+        result["error"] = str(error).splitlines()[0]
+        result["collective_failure"] = collective_failure(error) is not None
+    result.update(step=state.step, after=fingerprint(model, optimizer),
+                  tied=model.out.weight.data_ptr() == model.embed.weight.data_ptr(),
+                  seen=int(model.seen), adam_states=len(optimizer.state))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # no destroy: a peer may be gone
+
+
+def main() -> None:
+    scenario, out, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    context = mp.get_context("fork")
+    ranks = [context.Process(target=rank_main, args=(rank, scenario, out, port))
+             for rank in range(3)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(120)
+
+
+if __name__ == "__main__":
+    main()
