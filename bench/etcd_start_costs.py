@@ -1,0 +1,136 @@
+"""What etcd spends on N clients that each do what an agent does once at its start.
+
+Issue 17 asks for <= 0.5 s of etcd CPU per round at N = 1,024 nodes; the start
+measures 1.3-1.6 s (rendezvous_scale.py). This splits a start into its pieces, each
+done by every client at once (threads in --processes forked processes, one etcd
+client each, as the simulated agents are), with etcd's CPU read from /proc between
+barriers:
+
+  connect + get      a new gRPC channel and one read (the job-spec check's cost floor)
+  lease grant        one lease per node
+  txn under lease    a guarded create under that lease (the registration's core)
+  watch (stream)     a read for the revision, then the client's first watch from it
+                     (etcd opens a watch stream for it), as an agent's copy starts
+  watch (same stream) the same again on that stream: a read and a watch, no stream
+  keep-alive stream  the first refresh: the client's long-lived LeaseKeepAlive stream
+
+There is no torchrun side: torch's c10d rendezvous has no etcd; its etcd-v2 backend
+is gone with etcd 3.6. The figure to compare with is rendezvous_scale's start.
+
+    .venv/bin/python bench/etcd_start_costs.py            # N = 1,024, ~30 s
+    .venv/bin/python bench/etcd_start_costs.py --clients 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common as c  # noqa: E402
+
+from elastic_runner.config import EtcdConfig  # noqa: E402
+from elastic_runner.etcd.client import EtcdClient  # noqa: E402
+from elastic_runner.etcd.server import EmbeddedEtcd  # noqa: E402
+from elastic_runner.etcd.values import Put, key_missing  # noqa: E402
+
+PHASES = ("connect + get", "lease grant", "txn under lease", "watch (stream)",
+          "watch (same stream)", "keep-alive stream")
+PREFIX = "/etcd-start-costs/"
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Client:
+    """One simulated agent's start, a piece at a time."""
+
+    def __init__(self, endpoint: str, name: str):
+        self.endpoint, self.name = endpoint, name
+        self.etcd: EtcdClient | None = None
+        self.lease = 0
+        self.watches: list = []
+
+    def phase(self, number: int) -> None:
+        if number == 0:
+            self.etcd = EtcdClient(EtcdConfig(endpoints=(self.endpoint,), timeout_s=30,
+                                              retry_deadline_s=60))
+            self.etcd.get(PREFIX + "spec")
+        elif number == 1:
+            self.lease = self.etcd.grant_lease(300)
+        elif number == 2:
+            key = f"{PREFIX}nodes/{self.name}"
+            self.etcd.txn([key_missing(key)], [Put(key, b"n" * 160, self.lease)])
+        elif number in (3, 4):
+            revision = self.etcd.get_prefix(f"{PREFIX}own/{self.name}/")[1]
+            self.watches.append(self.etcd.watch_prefix(
+                f"{PREFIX}own/{self.name}/{number}/", revision + 1, lambda events: None))
+        elif number == 5:
+            self.etcd.refresh_lease(self.lease, 30.0)
+
+
+def process_main(endpoint: str, index: int, count: int, barrier, done) -> None:
+    clients = [Client(endpoint, f"p{index}c{i}") for i in range(count)]
+    for number in range(len(PHASES)):
+        barrier.wait()
+        threads = [threading.Thread(target=client.phase, args=(number,)) for client in clients]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        time.sleep(1.0)  # streams settle; a watch's sync runs on etcd's 100 ms loop
+        barrier.wait()
+    done.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=1024)
+    parser.add_argument("--processes", type=int, default=8)
+    args = parser.parse_args()
+    per = max(1, args.clients // args.processes)
+    n = per * args.processes
+    rows, results = [], {}
+    with EmbeddedEtcd() as etcd:
+        pid = etcd.process.pid
+        barrier, done = mp.Barrier(args.processes + 1), mp.Event()
+        workers = [mp.Process(target=process_main, args=(etcd.endpoint, k, per, barrier, done))
+                   for k in range(args.processes)]
+        for worker in workers:
+            worker.start()
+        for name in PHASES:
+            barrier.wait()
+            before = cpu_seconds(pid)
+            barrier.wait()
+            spent = cpu_seconds(pid) - before
+            results[name] = {"etcd_cpu_s": spent, "ms_per_client": 1000 * spent / n}
+            rows.append([name, f"{spent:.2f} s", f"{1000 * spent / n:.3f}"])
+        before = cpu_seconds(pid)
+        time.sleep(3.0)
+        idle = (cpu_seconds(pid) - before) / 3.0
+        done.set()
+        for worker in workers:
+            worker.join(60)
+    env = c.env_info()
+    text = (f"etcd_start_costs: {n} etcd clients in {args.processes} processes, each piece "
+            f"done by all at once; etcd CPU includes 1 s of settling per piece "
+            f"(idle {idle:.3f} s/s)\n{env['date_utc']} UTC, {env['cores']} cores, "
+            f"etcd {env['etcd']}\n"
+            + c.table(["piece of a start", "etcd CPU", "ms per client"], rows))
+    print(text)
+    saved = c.save("etcd_start_costs", {"args": vars(args), "env": env, "clients": n,
+                                        "idle_etcd_cpu_s_per_s": idle, "results": results}, text)
+    print(f"\nwritten: {saved}")
+
+
+if __name__ == "__main__":
+    main()
