@@ -110,6 +110,7 @@ def evaluate(records: list[dict], expect: Expectation, exit_code: int | None,
         _new_group(pairs),
         _world_size(pairs, expect),
         _device_kept(pairs),
+        _state_sent(pairs, expect),
         _finished(workers, expect, exit_code),
         _in_time(pairs, expect, wall_s),
     ]
@@ -202,6 +203,26 @@ def _device_kept(pairs: list[tuple[Worker, dict, dict]]) -> Check:
     return Check("device binding kept", ok, detail)
 
 
+def _state_sent(pairs: list[tuple[Worker, dict, dict]], expect: Expectation) -> Check:
+    """Every rank but 0 lost its state at the failure; after re-forming, rank 0's
+    reached them (State.sync's buckets: on NCCL through the GPU) and every rank holds
+    the same parameters. A world of one has nobody to send to."""
+    later = [b for w, a, b in pairs if b is not a]
+    sums = {round(b.get("checksum") or 0.0, 3) for b in later}
+    behind = [b for b in later if b["rank"] > 0]
+    missed = sorted(b["rank"] for b in behind
+                    if not b.get("received") or b.get("sync_source") != 0)
+    ok = bool(later) and len(later) == expect.world and len(sums) == 1 and not missed
+    if expect.world == 1 and ok:
+        return Check("state sent to ranks behind", True, "one rank: nobody behind")
+    got = sum(b.get("received") or 0 for b in behind)
+    detail = (f"{len(behind)} rank(s) received {got} bytes from rank 0; "
+              f"{len(sums)} distinct parameter checksum(s)")
+    if missed:
+        detail += f"; rank(s) {missed} received nothing from rank 0"
+    return Check("state sent to ranks behind", ok, detail)
+
+
 def _finished(workers: dict[int, Worker], expect: Expectation, exit_code: int | None) -> Check:
     last = sorted({w.done["last_step"] for w in workers.values() if w.done})
     ok = exit_code == 0 and bool(workers) and last == [expect.steps] and all(
@@ -252,6 +273,8 @@ def timings(records: list[dict], wall_s: float) -> list[tuple[str, float | None,
         ("step before the failure", _per_step_ms(w.failed for w in workers), "ms"),
         ("re-formation pause (failure -> new group's first collective)",
          _slowest(pause_s(w, b) for w, b in later), "s"),
+        ("state sync after re-forming (ranks behind get rank 0's state)",
+         _slowest(b.get("sync_s") for _, b in later), "s"),
         ("an all-reduce as the new round's training starts",
          _slowest(b.get("collective_s") for _, b in later), "s"),
         ("step after re-forming", _per_step_ms(s for w in workers for s in w.steps), "ms"),

@@ -6,6 +6,9 @@ at `--fail-at` of the first round every rank raises a torch DistError, which
 er.elastic classifies as a failed collective: the worker leaves its group, reports
 PAUSED, its agent opens the next round with the same member, and the worker joins
 that round in its own process, in a new process group (a new NCCL communicator).
+Before raising, every rank but 0 loses its state as a newcomer holds none (its
+parameters shifted, its step unknown), so the new round's State.sync must send rank
+0's state to them through the NCCL buckets of worker/state_transfer.py.
 
 Each rank appends to `--out` (one JSON object a line, `kind` says which):
   start   before er.init(): pid, local rank, the monotonic clock
@@ -13,7 +16,9 @@ Each rank appends to `--out` (one JSON object a line, `kind` says which):
           which init_process_group leaves for later): their seconds, backend, device
   formed  at each call of the training function, after an all-reduce in that round's
           group: round, rank, world, pid, device, torch.cuda.current_device(), whether
-          the group is a new object, the NCCL group's uid, that all-reduce's seconds
+          the group is a new object, the NCCL group's uid, that all-reduce's seconds,
+          a checksum of the parameters and what State.sync moved (bytes received,
+          from which rank, its seconds)
   failed  the injected failure: round, step, steps trained in the round and their time
   steps   a call that trained to the end: round, steps and their time
   done    after the training function returned
@@ -84,10 +89,26 @@ def nccl_uid() -> int | None:
         return None
 
 
-def record_formation(record: Recorder, device: torch.device, memory: dict) -> None:
+def checksum(model: torch.nn.Module) -> float:
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in model.parameters()))
+
+
+def forget_state(state: er.State) -> None:
+    """Make this rank a newcomer: parameters that differ from every other rank's, and
+    no known step (State's own marker for that), so the next sync sends it the state."""
+    with torch.no_grad():
+        for param in state.model.parameters():
+            param.add_(1.0)
+    state._step = -1  # noqa: SLF001 - what a fresh State holds; no public way to lose it
+
+
+def record_formation(record: Recorder, device: torch.device, memory: dict,
+                     state: er.State) -> None:
     """The `formed` line of this call; `memory["group"]` remembers the group weakly, so
     the next call can tell a new group from the old one without keeping it alive."""
     ctx = er.current()
+    sync = state.last_sync  # what State.sync did just before this call
     collective_s = first_collective_s(device)
     group = dist.group.WORLD if dist.is_initialized() else None
     previous = memory["group"]() if memory["group"] is not None else None
@@ -97,7 +118,10 @@ def record_formation(record: Recorder, device: torch.device, memory: dict) -> No
                  cuda_device=torch.cuda.current_device() if device.type == "cuda" else None,
                  new_group=None if memory["group"] is None else group is not previous,
                  nccl_uid=nccl_uid() if group is not None else None,
-                 collective_s=collective_s)
+                 collective_s=collective_s, checksum=checksum(state.model),
+                 received=sync.received if sync else None,
+                 sync_source=sync.source if sync else None,
+                 sync_s=sync.seconds if sync else None)
     memory["group"] = weakref.ref(group) if group is not None else None
 
 
@@ -132,7 +156,7 @@ def main() -> None:
 
     @er.elastic(state)
     def train(state):
-        record_formation(record, device, memory)
+        record_formation(record, device, memory, state)
         ctx = er.current()
         began, trained = time.monotonic(), 0
         for step, indices in sampler:
@@ -141,6 +165,8 @@ def main() -> None:
                 synchronize(device)
                 record.write("failed", round=ctx.round, rank=ctx.rank, step=step,
                              steps=trained, steps_s=time.monotonic() - began)
+                if ctx.rank > 0:
+                    forget_state(state)
                 raise dist.DistError(f"gpu_check: injected collective failure at step {step}")
             optimizer.zero_grad()
             batch = torch.tensor(indices, dtype=torch.long, device=device)

@@ -19,7 +19,8 @@ _spec.loader.exec_module(gc)
 EXPECT = gc.Expectation(world=2, backend="nccl", steps=60, budget_s=240, pause_bound_s=60)
 NAMES = ["workers started", "backend", "first collective", "collective failure injected",
          "re-formed in place", "round increased", "new communicator", "world size",
-         "device binding kept", "training finished", "within time"]
+         "device binding kept", "state sent to ranks behind", "training finished",
+         "within time"]
 
 
 def worker_records(rank: int, world: int = 2, pid: int | None = None) -> list[dict]:
@@ -36,7 +37,8 @@ def worker_records(rank: int, world: int = 2, pid: int | None = None) -> list[di
         {"kind": "failed", "pid": pid, "t": 4.0, "round": 0, "rank": rank, "step": 20,
          "steps": 19, "steps_s": 0.19},
         {**formed, "t": 5.5, "round": 1, "new_group": True, "nccl_uid": 1,
-         "collective_s": 0.4},
+         "collective_s": 0.4, "checksum": 12.5, "received": 0 if rank == 0 else 4096,
+         "sync_source": None if rank == 0 else 0, "sync_s": 0.02},
         {"kind": "steps", "pid": pid, "t": 6.0, "round": 1, "rank": rank, "steps": 41,
          "steps_s": 0.41, "last_step": 60},
         {"kind": "done", "pid": pid, "t": 6.1, "last_step": 60},
@@ -73,7 +75,8 @@ def test_parse_records_skips_cut_and_foreign_lines():
 
 
 @pytest.mark.parametrize("records, expect_failed", [
-    pytest.param(worker_records(0), ["workers started", "world size"], id="a worker missing"),
+    pytest.param(worker_records(0), ["workers started", "world size", "state sent to ranks behind"],
+                 id="a worker missing"),
     pytest.param(edit(passing(), "formed", backend="gloo"), ["backend"], id="gloo not nccl"),
     pytest.param(edit(passing(), "init", first_collective_s=None), ["first collective"],
                  id="no first collective"),
@@ -88,6 +91,11 @@ def test_parse_records_skips_cut_and_foreign_lines():
     pytest.param(edit(passing(), "formed", 1, cuda_device=1), ["device binding kept"],
                  id="device moved"),
     pytest.param(edit(passing(), "formed", 1, world=1), ["world size"], id="wrong world"),
+    pytest.param([{**r, "checksum": 1.0} if r["kind"] == "formed" and r.get("round") == 1
+                  and r["rank"] == 1 else r for r in passing()],
+                 ["state sent to ranks behind"], id="ranks disagree after the sync"),
+    pytest.param(edit(passing(), "formed", 1, received=0), ["state sent to ranks behind"],
+                 id="nothing received"),
     pytest.param(edit(passing(), "done", last_step=59), ["training finished"],
                  id="stopped short"),
 ])
@@ -114,7 +122,7 @@ def test_no_re_formation_at_all():
     records = [r for r in passing() if r.get("round", 0) == 0 and r["kind"] != "done"]
     assert failed_names(records, exit_code=1) == [
         "re-formed in place", "round increased", "new communicator", "device binding kept",
-        "training finished", "within time"]
+        "state sent to ranks behind", "training finished", "within time"]
 
 
 @pytest.mark.parametrize("exit_code, wall_s, expect_failed", [
@@ -157,7 +165,7 @@ def test_the_report_has_one_line_per_check_and_a_verdict():
     verdicts = [line for line in report if line.startswith(("PASS", "FAIL"))]
     assert len(verdicts) == len(NAMES)
     assert [line.split()[0] for line in verdicts].count("FAIL") == 1
-    assert report[-1] == "gpu_check: 10 of 11 checks passed; failed: device binding kept"
+    assert report[-1] == "gpu_check: 11 of 12 checks passed; failed: device binding kept"
     assert any(line.startswith("time  re-formation pause") and line.endswith("1.500 s")
                for line in report)
 
