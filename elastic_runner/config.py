@@ -206,6 +206,9 @@ class WorkerConfig:
     extra_env: tuple[tuple[str, str], ...] = ()
     # A worker whose er.report() progress is older than this is hung (None: off).
     worker_timeout_s: float | None = None
+    # Keep one interpreter per local worker with torch imported, ready for the next
+    # start (agent/prewarm.py). Needs a Python entry point.
+    prewarm: bool = False
 
 
 @dataclass(frozen=True)

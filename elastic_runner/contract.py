@@ -126,6 +126,8 @@ _VARIABLES = {
 # What places a worker in a round: a standby worker (reform.py) is started without them.
 PLACEMENT_FIELDS = ("rank", "world_size", "group_rank", "group_world_size", "role_rank",
                     "role_world_size", "master_addr", "master_port")
+# The module a --prewarm interpreter runs (worker/prewarm.py; agent/prewarm.py starts it).
+PREWARM_MODULE = "elastic_runner.worker.prewarm"
 # The agent's own secret: never handed to a worker (they get etcd_password_file).
 AGENT_ONLY_VARIABLES = ("ELASTIC_RUN_ETCD_PASSWORD",)
 
@@ -209,6 +211,11 @@ class WorkerEnv:
         pairs = (("cacert", self.etcd_cacert), ("cert", self.etcd_cert), ("key", self.etcd_key),
                  ("user", self.etcd_user))
         return {name: value for name, value in pairs if value}
+
+
+def contract_variables() -> frozenset[str]:
+    """Every variable of the contract: what the agent sets for each worker."""
+    return frozenset(_VARIABLES.values())
 
 
 def variable(field_name: str) -> str:

@@ -36,6 +36,7 @@ from elastic_runner import contract, reform
 from elastic_runner.agent import drain
 from elastic_runner.agent.cloud_notice import CloudNoticeWatcher
 from elastic_runner.agent.ports import NoticeWatcher, Rendezvous, StartWorkers, Workers
+from elastic_runner.agent.prewarm import WarmPool
 from elastic_runner.agent.reform_driver import (
     InProcessReform, ReformBounds, ReformContext, round_fields,
 )
@@ -51,7 +52,7 @@ from elastic_runner.rendezvous.failures import describe_exit, failure_message
 from elastic_runner.rendezvous.engine import EtcdRendezvous
 from elastic_runner.rendezvous.protocol import FINISHED, Cause, CauseKind, JobSpec, Plan
 from elastic_runner.rendezvous.ranks import plan_problem
-from elastic_runner.agent.workers import WorkerExit, WorkerGroup, job_env
+from elastic_runner.agent.workers import WorkerExit, WorkerGroup, job_env, standby_env
 
 log = logging.getLogger("elastic_runner")
 
@@ -110,6 +111,9 @@ class Agent:
                                      config.rendezvous.join_timeout_s,
                                      config.workers.stop_grace_s, self._signal_seen.is_set)
         self._standby: Workers | None = None  # ready before joining (standby.py)
+        self._prewarm = WarmPool(config.workers.argv, self._warm_env, config.workers.nproc) \
+            if config.workers.prewarm else None
+        self._start_options = {"prewarm": self._prewarm} if self._prewarm else {}
         self._paused_at = time.monotonic()  # when the workers last stopped training
         self._plan: Plan | None = None  # the round this node's workers are in
         # How long workers keep training while etcd does not answer.
@@ -156,6 +160,8 @@ class Agent:
                  self._rdzv_config.min_nodes, self._rdzv_config.max_nodes,
                  self._config.workers.nproc)
         try:
+            if self._prewarm:  # torch imports while the rendezvous runs
+                self._prewarm.fill()
             self._standby = self._warm_start.begin()
             self.rendezvous.register()
         except BaseException:  # a duplicate node id, another job's spec: leave no scratch
@@ -185,13 +191,20 @@ class Agent:
         if self._standby is not None:
             self._standby.stop(self._config.workers.stop_grace_s)
             self._standby = None
+        if self._prewarm:
+            self._prewarm.close()
         shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _start_standby(self) -> Workers:
         self._write_password_file()  # their er.init() reads it, before any round
         return self._start_workers(None, self._rdzv_config.node_id, self._job,
                                    self._config.workers, self._base_env,
-                                   echo=self._config.verbosity >= 1, error_dir=self._error_dir)
+                                   echo=self._config.verbosity >= 1, error_dir=self._error_dir,
+                                   **self._start_options)
+
+    def _warm_env(self, local_rank: int) -> dict[str, str]:
+        """A --prewarm interpreter's environment: a standby worker's (no place yet)."""
+        return standby_env(self._base_env, local_rank, self._job, self._config.workers)
 
     def _rounds(self) -> int:
         previous: Plan | None = None
@@ -313,7 +326,8 @@ class Agent:
         self._reform.reset()  # fresh processes: a clean channel, capable once they report
         group = self._start_workers(plan, self._rdzv_config.node_id, self._job,
                                     self._config.workers, self._base_env,
-                                    echo=self._config.verbosity >= 1, error_dir=self._error_dir)
+                                    echo=self._config.verbosity >= 1, error_dir=self._error_dir,
+                                    **self._start_options)
         self.events.emit("workers_started", round=plan.round, pids=group.pids)
         if previous is not None:
             pause = time.monotonic() - paused_at

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from elastic_runner.agent.workers import WorkerExit
@@ -111,7 +111,7 @@ class StartWorkers(Protocol):
 
     def __call__(self, plan: Plan | None, node_id: str, job: WorkerEnv, config: WorkerConfig,
                  base_env: dict[str, str], echo: bool = True,
-                 error_dir: Path | None = None) -> Workers: ...
+                 error_dir: Path | None = None, prewarm: Any = None) -> Workers: ...
 
 
 class NoticeWatcher(Protocol):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from elastic_runner._process import die_with_parent
+from elastic_runner.agent.prewarm import WarmPool
 from elastic_runner.config import AgentConfig, EtcdConfig, WorkerConfig
 from elastic_runner.contract import (
     AGENT_ONLY_VARIABLES, EXIT_FOR_RESIZE, NOTICE_FILE, PASSWORD_FILE, PLACEMENT_FIELDS,
@@ -207,9 +208,10 @@ class WorkerGroup:
     @staticmethod
     def start(plan: Plan | None, node_id: str, job: WorkerEnv, config: WorkerConfig,
               base_env: dict[str, str], echo: bool = True,
-              error_dir: Path | None = None) -> "WorkerGroup":
+              error_dir: Path | None = None, prewarm: WarmPool | None = None) -> "WorkerGroup":
         """Start this node's workers of `plan`; `error_dir` gets torch's error files.
-        No plan: `config.nproc` standby workers, named by local rank until placed."""
+        No plan: `config.nproc` standby workers, named by local rank until placed.
+        `prewarm`: take waiting interpreters where they fit (agent/prewarm.py)."""
         workers = []
         placements = (assign_ranks(plan, node_id) if plan is not None else
                       [RankAssignment(-1, local, 0, config.nproc, -1, 0)
@@ -227,12 +229,16 @@ class WorkerGroup:
                 error_path.unlink(missing_ok=True)  # an earlier round's error is not this one's
             env = (worker_env(base_env, plan, ranks, job, config, error_dir) if plan is not None
                    else standby_env(base_env, ranks.local_rank, job, config, error_path))
-            process = subprocess.Popen(
-                list(config.argv), env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=die_with_parent,
-            )
+            process = prewarm.take(ranks.local_rank, env) if prewarm else None
+            if process is None:
+                process = subprocess.Popen(
+                    list(config.argv), env=env,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                    start_new_session=True, preexec_fn=die_with_parent,
+                )
             workers.append(_Worker(ranks, process, log_path, echo, error_path))
+        if prewarm:
+            prewarm.refill_later()
         return WorkerGroup(workers)
 
     @property

@@ -78,8 +78,12 @@ def build_config(args, environ: Mapping[str, str], gpu_count: int) -> AgentConfi
         endpoints, args.etcd_timeout, lease_ttl_s=rendezvous.lease_ttl_s,
         cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
         password=read_password(args, environ), binary=args.etcd_binary)
+    if args.prewarm and args.no_python:
+        raise ConfigError("--prewarm needs a Python entry point: it starts Python with torch "
+                          "imported; drop --no-python or --prewarm")
     workers = WorkerConfig(argv, nproc, fingerprint, args.stop_grace, args.monitor_interval,
-                           log_dir, gpu_count, worker_timeout_s=args.worker_timeout)
+                           log_dir, gpu_count, worker_timeout_s=args.worker_timeout,
+                           prewarm=args.prewarm)
     verbosity = 0 if args.quiet else 1 + args.verbose
     return AgentConfig(rendezvous, etcd, workers, args.max_restarts, verbosity,
                        args.notice_deadline, Path(args.notice_file) if args.notice_file else None,

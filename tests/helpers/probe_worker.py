@@ -5,13 +5,17 @@ present; every rank appends one JSON line per step to --out. A fault armed by th
 harness (Job.fail_worker) ends its rank as it reaches its step.
 """
 
-import argparse
-import datetime
-import json
-import os
-import time
+import sys
 
-import torch
+TORCH_PRELOADED = "torch" in sys.modules  # started by --prewarm (worker/prewarm.py)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
 import torch.distributed as dist
 from injected_fault import fail_if_armed
 
@@ -44,7 +48,8 @@ def main() -> None:
             total = torch.ones(1)
             dist.all_reduce(total)
             out.write(json.dumps({"step": step, "t": time.time(), "pid": os.getpid(),
-                                  "reduced": int(total.item()), **env}) + "\n")
+                                  "reduced": int(total.item()), "preloaded": TORCH_PRELOADED,
+                                  **env}) + "\n")
             time.sleep(args.step_time)
     dist.destroy_process_group()
 

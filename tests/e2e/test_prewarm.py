@@ -1,0 +1,52 @@
+"""--prewarm end to end: real agents on the restart path start their workers in
+interpreters that imported torch ahead of time (agent/prewarm.py), the first round's
+and a restart's alike, and leave none behind when they exit."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from elastic_runner.contract import PREWARM_MODULE
+
+pytestmark = pytest.mark.e2e
+
+
+def prewarm_processes(run_id: str) -> list[int]:
+    """Live interpreters waiting for an order of this run (found by their environment)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if PREWARM_MODULE.encode() in command and \
+                f"TORCHELASTIC_RUN_ID={run_id}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def test_workers_of_the_first_round_and_of_a_restart_start_with_torch_imported(job):
+    job.run_id = f"prewarm-{os.getpid()}"
+    job.extra_flags = ("--prewarm",)
+    job.script_args = ("--step-time", "0.05", "--steps", "400")
+    job.start("a", "b")
+    first = job.wait_world(4, min_steps=3)
+    assert {r["preloaded"] for r in first} == {True}
+    before = {r["pid"] for r in first}
+    # The workers run in such interpreters too (/proc shows a process's first environment).
+    job.wait_for(lambda: len(set(prewarm_processes(job.run_id)) - before) == 4, 60,
+                 "the next interpreters waiting on both nodes")
+    waiting = set(prewarm_processes(job.run_id)) - before
+    job.terminate("b")                                  # a notice: a restarts at world 2
+    after = job.wait_world(2, min_steps=3)
+    assert {r["preloaded"] for r in after} == {True}
+    assert {r["pid"] for r in after} <= waiting and not {r["pid"] for r in after} & before
+    assert job.wait_exit("b", timeout=60) == 0
+    assert job.wait_exit("a", timeout=120) == 0, job.agent_log("a")[-3000:]
+    job.wait_for(lambda: not prewarm_processes(job.run_id), 30, "no interpreter left waiting")
