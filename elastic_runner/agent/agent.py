@@ -111,8 +111,10 @@ class Agent:
                                      config.rendezvous.join_timeout_s,
                                      config.workers.stop_grace_s, self._signal_seen.is_set)
         self._standby: Workers | None = None  # ready before joining (standby.py)
-        self._prewarm = WarmPool(config.workers.argv, self._warm_env, config.workers.nproc) \
-            if config.workers.prewarm else None
+        self._prewarm = WarmPool(  # a waiting interpreter's environment: a standby worker's
+            config.workers.argv, lambda local: standby_env(self._base_env, local, self._job,
+                                                           config.workers),
+            config.workers.nproc) if config.workers.prewarm else None
         self._start_options = {"prewarm": self._prewarm} if self._prewarm else {}
         self._paused_at = time.monotonic()  # when the workers last stopped training
         self._plan: Plan | None = None  # the round this node's workers are in
@@ -201,10 +203,6 @@ class Agent:
                                    self._config.workers, self._base_env,
                                    echo=self._config.verbosity >= 1, error_dir=self._error_dir,
                                    **self._start_options)
-
-    def _warm_env(self, local_rank: int) -> dict[str, str]:
-        """A --prewarm interpreter's environment: a standby worker's (no place yet)."""
-        return standby_env(self._base_env, local_rank, self._job, self._config.workers)
 
     def _rounds(self) -> int:
         previous: Plan | None = None
@@ -357,6 +355,9 @@ class Agent:
             reason = self.rendezvous.change_reason(plan)
             leaving = self.rendezvous.notices(plan)  # read before capable: see _relay_notices
             capable = self._reform.capable(plan, len(group.pids))
+            if capable and self._prewarm:  # workers kept through resizes need no successor
+                self._prewarm.close()
+                self._prewarm, self._start_options = None, {}
             if reason is not None:
                 return Outcome(REFORM if capable else CHANGED, reason)
             if capable:  # their own pause, or a peer's notice, starts a re-formation

@@ -9,6 +9,12 @@ previous round trained. Off by default: torch is imported before the script's fi
 line, so a script that sets a variable torch reads at import before importing it
 sees a difference (worker/prewarm.py says which).
 
+Once the workers re-form in place (`er.elastic`), they survive resizes, and a waiting
+interpreter would only serve a fallback: the agent then lets them go (agent.py), and
+starting standby workers (standby.py: the run re-forms in place) refills nothing.
+Measured (bench/README): restarts gain what `import torch` costs; the in-process spot
+replay does not, its newcomers' boot being the script's, not the launcher's.
+
 A warm interpreter is used only when its environment, less the variables of the
 worker contract (rank, world size, round: nothing torch reads at import), equals the
 worker's; otherwise it is stopped and a fresh process started, as without --prewarm.

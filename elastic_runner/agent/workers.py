@@ -237,7 +237,7 @@ class WorkerGroup:
                     start_new_session=True, preexec_fn=die_with_parent,
                 )
             workers.append(_Worker(ranks, process, log_path, echo, error_path))
-        if prewarm:
+        if prewarm and plan is not None:  # standby workers: the run re-forms in place
             prewarm.refill_later()
         return WorkerGroup(workers)
 

@@ -5,11 +5,15 @@ and a restart's alike, and leave none behind when they exit."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from elastic_runner.contract import PREWARM_MODULE
+from tests.e2e.harness import Job, read_jsonl
+
+INPROC = Path(__file__).resolve().parents[2] / "examples" / "train_inproc.py"
 
 pytestmark = pytest.mark.e2e
 
@@ -50,3 +54,22 @@ def test_workers_of_the_first_round_and_of_a_restart_start_with_torch_imported(j
     assert job.wait_exit("b", timeout=60) == 0
     assert job.wait_exit("a", timeout=120) == 0, job.agent_log("a")[-3000:]
     job.wait_for(lambda: not prewarm_processes(job.run_id), 30, "no interpreter left waiting")
+
+
+def test_once_workers_re_form_in_place_no_interpreter_waits_for_them(etcd, tmp_path):
+    """er.elastic workers survive resizes: a waiting interpreter would only serve a
+    fallback, so the agent lets them go (the first round's ran the workers)."""
+    trace = tmp_path / "trace.jsonl"
+    job = Job(etcd.endpoint, tmp_path, script=INPROC, nproc=1, lease_ttl=3, settle=0.5,
+              run_id=f"prewarm-inproc-{os.getpid()}", extra_flags=("--prewarm",))
+    job.script_args = ("--samples", "2400", "--global-batch", "24", "--step-time", "0.05",
+                       "--trace", str(trace), "--checkpoint-dir", str(tmp_path / "ckpt"))
+    try:
+        job.start("a")
+        job.wait_for(lambda: len(read_jsonl(trace)) >= 5, 90, "5 steps")
+        time.sleep(5.0)  # past the refill delay (3 s) after the workers started
+        workers = {row["pid"] for row in read_jsonl(trace)}
+        assert set(prewarm_processes(job.run_id)) == workers  # the worker, nothing waiting
+        assert job.wait_exit("a", timeout=120) == 0, job.agent_log("a")[-3000:]
+    finally:
+        job.stop_all()

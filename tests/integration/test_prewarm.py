@@ -118,6 +118,20 @@ def test_workers_start_in_the_waiting_interpreters_and_new_ones_wait_after(probe
     assert pool._waiting == {}
 
 
+def test_standby_workers_take_waiting_interpreters_and_nothing_is_refilled(probe, tmp_path):
+    """A standby start means the run re-forms in place: its workers will survive
+    resizes, so no successor is started for them."""
+    config, job, base, _, pool = setup(probe, tmp_path, nproc=1)
+    pool.fill()
+    (waiting, _), = pool._waiting.values()
+    group = WorkerGroup.start(None, "a", job, config, base, echo=False, prewarm=pool)
+    assert group.pids == [waiting.pid]
+    assert group.wait(120.0)
+    time.sleep(1.0)  # five refill delays
+    assert pool._waiting == {}
+    pool.close()
+
+
 def test_an_interpreter_whose_environment_no_longer_fits_is_replaced(probe, tmp_path):
     config, job, base, plan, pool = setup(probe, tmp_path, nproc=1)
     pool.fill()
