@@ -18,11 +18,11 @@ replay does not, its newcomers' boot being the script's, not the launcher's.
 A warm interpreter is used only when its environment, less the variables of the
 worker contract (rank, world size, round: nothing torch reads at import), equals the
 worker's; otherwise it is stopped and a fresh process started, as without --prewarm.
-New ones are started `refill_delay_s` after the last were taken, so that their
-imports do not compete with the starting workers for the CPU, on a thread that lives
-as long as the agent (see `refill_later`). Those not used are
-killed when the agent ends (and each has the parent-death signal; one whose agent
-vanished also exits at the end of its input).
+New ones start `refill_delay_s` after the last were taken (their imports would
+otherwise compete with the starting workers for the CPU), on a thread that lives as
+long as the agent (`refill_later` says why). Those never used are killed when the
+agent ends; each also has the parent-death signal, and one whose agent vanished exits
+at the end of its input.
 """
 
 from __future__ import annotations
