@@ -38,7 +38,7 @@ def prewarm_processes(run_id: str) -> list[int]:
 def test_workers_of_the_first_round_and_of_a_restart_start_with_torch_imported(job):
     job.run_id = f"prewarm-{os.getpid()}"
     job.extra_flags = ("--prewarm",)
-    job.script_args = ("--step-time", "0.05", "--steps", "400")
+    job.script_args = ("--step-time", "0.05", "--steps", "240")
     job.start("a", "b")
     first = job.wait_world(4, min_steps=3)
     assert {r["preloaded"] for r in first} == {True}
