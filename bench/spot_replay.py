@@ -161,12 +161,13 @@ def replay(key: str, schedule, duration: float, args, endpoint: str, wd: Path) -
     goodput = useful / ideal if ideal else None
     boot = boot_figures(job, log, duration, t0, end)
     times = [t0] + [r["t"] for r in rows] + [end]
-    stalled = sum(b - a for a, b in zip(times, times[1:]) if step_s and b - a > 1.0)
+    gaps = [(a, b) for a, b in zip(times, times[1:]) if step_s and b - a > 1.0]
+    stalled = sum(b - a for a, b in gaps)
     # For a post-mortem: each stretch without steps and the trace's events around it.
     stalls = [{"from_s": round(a - t0, 2), "to_s": round(b - t0, 2),
                "events": [f"{e['event']} {e['node']} @{e['t']:.1f}" for e in log
                           if a - t0 - 3.0 < e["t"] < b - t0]}
-              for a, b in zip(times, times[1:]) if step_s and b - a > 1.0]
+              for a, b in gaps]
     return {"label": label, "useful_samples": useful, "lost_samples": lost,
             "redone_steps": redone_steps, "unique_steps": len(done), "resizes": resizes,
             "worker_starts_rank0": len({r["pid"] for r in rows}), "agents_started": counter,

@@ -45,14 +45,18 @@ WAYS = {"er": "er.State.sync", "object": "torch broadcast_object_list",
 WIDTH = 1024
 
 
+def layers_for(mb: float) -> int:
+    """Linear layers whose weights and two Adam moments come to about `mb` MB."""
+    return max(1, round(mb * 2**20 / 12 / (WIDTH * WIDTH)))
+
+
 def build(mb: float):
     import torch
 
     import elastic_runner as er
 
-    layers = max(1, round(mb * 2**20 / 12 / (WIDTH * WIDTH)))  # weights + two Adam moments
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers_for(mb))])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     return model, optimizer, er.State(model=model, optimizer=optimizer)
 
@@ -173,8 +177,7 @@ def main() -> None:
 
 
 def build_size_mb(mb: float) -> float:
-    layers = max(1, round(mb * 2**20 / 12 / (WIDTH * WIDTH)))
-    return layers * (WIDTH * WIDTH + WIDTH) * 4 * 3 / 2**20
+    return layers_for(mb) * (WIDTH * WIDTH + WIDTH) * 4 * 3 / 2**20
 
 
 def render(results: dict, args) -> str:

@@ -13,6 +13,7 @@ The etcd key layout is not part of it: it lives in `rendezvous/protocol.py`.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -126,6 +127,9 @@ _VARIABLES = {
 # What places a worker in a round: a standby worker (reform.py) is started without them.
 PLACEMENT_FIELDS = ("rank", "world_size", "group_rank", "group_world_size", "role_rank",
                     "role_world_size", "master_addr", "master_port")
+# How the agent runs a Python entry point (cli/run.py builds the argv, agent/prewarm.py
+# starts interpreters the same way).
+PYTHON_ENTRY = (sys.executable, "-u")
 # The module a --prewarm interpreter runs (worker/prewarm.py; agent/prewarm.py starts it).
 PREWARM_MODULE = "elastic_runner.worker.prewarm"
 # The agent's own secret: never handed to a worker (they get etcd_password_file).

@@ -115,7 +115,6 @@ class Agent:
             config.workers.argv, lambda local: standby_env(self._base_env, local, self._job,
                                                            config.workers),
             config.workers.nproc) if config.workers.prewarm else None
-        self._start_options = {"prewarm": self._prewarm} if self._prewarm else {}
         self._paused_at = time.monotonic()  # when the workers last stopped training
         self._plan: Plan | None = None  # the round this node's workers are in
         # How long workers keep training while etcd does not answer.
@@ -202,7 +201,10 @@ class Agent:
         return self._start_workers(None, self._rdzv_config.node_id, self._job,
                                    self._config.workers, self._base_env,
                                    echo=self._config.verbosity >= 1, error_dir=self._error_dir,
-                                   **self._start_options)
+                                   **self._start_options())
+
+    def _start_options(self) -> dict:  # the --prewarm pool, if any (fakes take none)
+        return {"prewarm": self._prewarm} if self._prewarm else {}
 
     def _rounds(self) -> int:
         previous: Plan | None = None
@@ -325,7 +327,7 @@ class Agent:
         group = self._start_workers(plan, self._rdzv_config.node_id, self._job,
                                     self._config.workers, self._base_env,
                                     echo=self._config.verbosity >= 1, error_dir=self._error_dir,
-                                    **self._start_options)
+                                    **self._start_options())
         self.events.emit("workers_started", round=plan.round, pids=group.pids)
         if previous is not None:
             pause = time.monotonic() - paused_at
@@ -357,7 +359,7 @@ class Agent:
             capable = self._reform.capable(plan, len(group.pids))
             if capable and self._prewarm:  # workers kept through resizes need no successor
                 self._prewarm.close()
-                self._prewarm, self._start_options = None, {}
+                self._prewarm = None
             if reason is not None:
                 return Outcome(REFORM if capable else CHANGED, reason)
             if capable:  # their own pause, or a peer's notice, starts a re-formation

@@ -30,24 +30,21 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
-import sys
 import threading
 import time
 from typing import Callable
 
 from elastic_runner._process import die_with_parent
-from elastic_runner.contract import PREWARM_MODULE, contract_variables
+from elastic_runner.contract import PREWARM_MODULE, PYTHON_ENTRY, contract_variables
 
 log = logging.getLogger("elastic_runner")
 
 REFILL_DELAY_S = 3.0
-# What the agent runs a Python entry point with (cli/run.py: entry_argv).
-PYTHON_PREFIX = (sys.executable, "-u")
 
 
 def warmable(argv: tuple[str, ...]) -> bool:
     """An entry point this module can start ahead: `python -u` and a script or -m."""
-    return tuple(argv[:2]) == PYTHON_PREFIX and len(argv) > 2
+    return tuple(argv[:2]) == PYTHON_ENTRY and len(argv) > 2
 
 
 def _import_env(env: dict[str, str]) -> dict[str, str]:
@@ -150,7 +147,7 @@ class WarmPool:
 
     def _spawn(self, env: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen(
-            [*PYTHON_PREFIX, "-m", PREWARM_MODULE], env=env, stdin=subprocess.PIPE,
+            [*PYTHON_ENTRY, "-m", PREWARM_MODULE], env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
             preexec_fn=die_with_parent)
 

@@ -26,7 +26,7 @@ from elastic_runner.cli.flags import (
 from elastic_runner.config import (
     AgentConfig, CloudNoticeConfig, EtcdConfig, RendezvousConfig, WorkerConfig,
 )
-from elastic_runner.contract import DEFAULT_SIGNALS_TO_HANDLE
+from elastic_runner.contract import DEFAULT_SIGNALS_TO_HANDLE, PYTHON_ENTRY
 from elastic_runner.errors import ConfigError
 from elastic_runner.etcd.endpoints import parse_endpoint
 from elastic_runner.validation import (
@@ -103,14 +103,14 @@ def entry_argv(args) -> tuple[tuple[str, ...], str]:
         if found is None:
             raise ConfigError(f"-m {args.entrypoint}: module not importable here; "
                               "check the name and that its package is installed")
-        argv = (sys.executable, "-u", "-m", args.entrypoint, *args.args)
+        argv = (*PYTHON_ENTRY, "-m", args.entrypoint, *args.args)
         digest.update(args.entrypoint.encode())
     else:
         script = Path(args.entrypoint)
         if not args.no_python and not script.is_file():
             raise ConfigError(f"script not found: {args.entrypoint} "
                               "(give a path to a .py file, or -m MODULE)")
-        prefix = () if args.no_python else (sys.executable, "-u")
+        prefix = () if args.no_python else PYTHON_ENTRY
         argv = (*prefix, args.entrypoint, *args.args)
         if script.is_file():
             digest.update(script.read_bytes())

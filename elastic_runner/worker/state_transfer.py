@@ -25,6 +25,7 @@ What moves instead:
 
 from __future__ import annotations
 
+import math
 import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -42,10 +43,7 @@ class TensorSlot:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def split(states: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:

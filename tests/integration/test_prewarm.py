@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.agent.prewarm import PYTHON_PREFIX, WarmPool, warmable
+from elastic_runner.agent.prewarm import WarmPool, warmable
 from elastic_runner.agent.workers import WorkerGroup, standby_env
 from elastic_runner.config import WorkerConfig
-from elastic_runner.contract import PREWARM_MODULE, WorkerEnv
+from elastic_runner.contract import PREWARM_MODULE, PYTHON_ENTRY, WorkerEnv
 from elastic_runner.rendezvous.protocol import Member, Plan
 
 PROBE = '''import json, os, sys
@@ -45,7 +45,7 @@ def order(process: subprocess.Popen, argv: list[str], env: dict) -> tuple[int, d
 
 
 def interpreter(cwd: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen([*PYTHON_PREFIX, "-m", PREWARM_MODULE], stdin=subprocess.PIPE,
+    return subprocess.Popen([*PYTHON_ENTRY, "-m", PREWARM_MODULE], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
 
 
@@ -72,14 +72,14 @@ def test_an_interpreter_let_go_without_an_order_runs_nothing():
 
 
 def test_only_python_entry_points_can_be_prewarmed():
-    assert warmable((*PYTHON_PREFIX, "train.py")) and warmable((*PYTHON_PREFIX, "-m", "pkg"))
-    assert not warmable(("./train.sh",)) and not warmable(PYTHON_PREFIX)
+    assert warmable((*PYTHON_ENTRY, "train.py")) and warmable((*PYTHON_ENTRY, "-m", "pkg"))
+    assert not warmable(("./train.sh",)) and not warmable(PYTHON_ENTRY)
     with pytest.raises(ValueError, match="Python entry point"):
         WarmPool(("./train.sh",), lambda local: {}, 1)
 
 
 def setup(probe: Path, tmp_path: Path, nproc: int = 2, extra_env=()):
-    config = WorkerConfig(argv=(*PYTHON_PREFIX, str(probe)), nproc=nproc, fingerprint="f",
+    config = WorkerConfig(argv=(*PYTHON_ENTRY, str(probe)), nproc=nproc, fingerprint="f",
                           extra_env=tuple(extra_env), prewarm=True)
     job = WorkerEnv(run_id="job", reform_dir=str(tmp_path / "reform"))
     base = dict(os.environ)
