@@ -2,19 +2,44 @@
 
 from __future__ import annotations
 
-import ctypes
-import signal
+import os
+import shutil
+import sys
+from typing import Sequence
 
-_PR_SET_PDEATHSIG = 1
+_SETPRIV = shutil.which("setpriv")  # util-linux: Debian and Ubuntu have it (essential)
+
+# Where setpriv is missing: a Python that sets the signal, checks its parent is still
+# the one that spawned it (a parent gone before the prctl would never send it), and
+# execs the command. -I: none of the user's environment shapes this interpreter.
+_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    "try:\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "except OSError as error:\n"
+    "    sys.exit(f'cannot run {sys.argv[2]}: {error.strerror}')\n"
+)
 
 
-def die_with_parent() -> None:
-    """Runs in a child before exec: SIGKILL it when the spawning thread dies.
+def bound_to_parent(argv: Sequence[str]) -> list[str]:
+    """The command line of a child that gets SIGKILL when the thread that spawned it
+    ends: it execs `argv` in place, keeping its pid.
 
-    Why: a SIGKILLed agent cannot clean up, and its workers (or its embedded
-    etcd) would otherwise live on in a job that has re-formed without them.
+    Why: a SIGKILLed agent cannot clean up, and its workers (or its embedded etcd)
+    would otherwise live on in a job that has re-formed without them.
+
+    Why not a preexec_fn calling prctl: a preexec_fn makes CPython fork() and run its
+    after-fork work (PyOS_AfterFork_Child) in the child of a process that has gRPC's
+    and torch's threads, and now and then that child died of SIGSEGV before its exec
+    (seen in the test suite: a refilled --prewarm interpreter, and a test's child, at
+    -11 with nothing on stderr). `setpriv --pdeathsig KILL` sets the same signal
+    after a plain fork/exec; where util-linux is missing, a short Python does (about
+    20 ms more per start). Either sets it a moment after the fork, so a spawning
+    thread that ends within those milliseconds is not watched.
     """
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not Linux/glibc: children then outlive a SIGKILLed parent
+    if _SETPRIV:
+        return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]
+    return [sys.executable, "-I", "-c", _SHIM, str(os.getpid()), *argv]

@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Callable
 
-from elastic_runner._process import die_with_parent
+from elastic_runner._process import bound_to_parent
 from elastic_runner.contract import PREWARM_MODULE, PYTHON_ENTRY, contract_variables
 
 log = logging.getLogger("elastic_runner")
@@ -110,8 +110,8 @@ class WarmPool:
         """Start new interpreters after the delay (once, however often it is asked).
 
         On a thread that lives as long as the agent: a child's parent-death signal
-        (die_with_parent) fires when the *thread* that started it ends, so a short-lived
-        timer thread would kill what it started, workers included, as it returned."""
+        (_process.bound_to_parent) fires when the *thread* that started it ends, so a
+        short-lived timer thread would kill what it started, workers included."""
         with self._lock:
             if self._closed or self._refill_due is not None:
                 return
@@ -147,9 +147,9 @@ class WarmPool:
 
     def _spawn(self, env: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen(
-            [*PYTHON_ENTRY, "-m", PREWARM_MODULE], env=env, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-            preexec_fn=die_with_parent)
+            bound_to_parent([*PYTHON_ENTRY, "-m", PREWARM_MODULE]), env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True)
 
 
 def _let_go(process: subprocess.Popen) -> None:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from elastic_runner._process import die_with_parent
+from elastic_runner._process import bound_to_parent
 from elastic_runner.agent.prewarm import WarmPool
 from elastic_runner.config import AgentConfig, EtcdConfig, WorkerConfig
 from elastic_runner.contract import (
@@ -232,10 +232,8 @@ class WorkerGroup:
             process = prewarm.take(ranks.local_rank, env) if prewarm else None
             if process is None:
                 process = subprocess.Popen(
-                    list(config.argv), env=env,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=die_with_parent,
-                )
+                    bound_to_parent(config.argv), env=env, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
             workers.append(_Worker(ranks, process, log_path, echo, error_path))
         if prewarm and plan is not None:  # standby workers: the run re-forms in place
             prewarm.refill_later()

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -110,6 +111,9 @@ def entry_argv(args) -> tuple[tuple[str, ...], str]:
         if not args.no_python and not script.is_file():
             raise ConfigError(f"script not found: {args.entrypoint} "
                               "(give a path to a .py file, or -m MODULE)")
+        if args.no_python and shutil.which(args.entrypoint) is None:
+            raise ConfigError(f"--no-python: no executable {args.entrypoint!r} (give the path "
+                              "of an executable file or the name of a command on PATH)")
         prefix = () if args.no_python else PYTHON_ENTRY
         argv = (*prefix, args.entrypoint, *args.args)
         if script.is_file():

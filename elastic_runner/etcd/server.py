@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastic_runner._process import die_with_parent
+from elastic_runner._process import bound_to_parent
 from elastic_runner.errors import EtcdBinaryNotFound, EtcdUnavailable
 
 INSTALL_HINT = (
@@ -122,11 +122,9 @@ class EmbeddedEtcd:
         # only safe from the main thread (a restart from a timer thread would
         # otherwise kill the new server as soon as that thread ends).
         on_main = threading.current_thread() is threading.main_thread()
-        self.process = subprocess.Popen(
-            self.command(), stdout=log_file, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=die_with_parent if on_main else None,
-        )
+        argv = bound_to_parent(self.command()) if on_main else self.command()
+        self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
         log_file.close()
         if wait:
             self.wait_healthy()

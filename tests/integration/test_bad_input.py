@@ -198,6 +198,10 @@ CASES = [
                  2, ["--nproc-per-node -1"], id="nproc-negative"),
     pytest.param(no_setup, lambda c: [str(c.tmp_path / "missing.py")],
                  2, ["script not found"], id="missing-script"),
+    pytest.param(no_setup, lambda c: ["--no-python", str(c.tmp_path / "no-such-command")],
+                 2, ["--no-python: no executable", "no-such-command"], id="missing-command"),
+    pytest.param(no_setup, lambda c: ["--no-python", c.script],  # a file, not executable
+                 2, ["--no-python: no executable", "train.py"], id="command-not-executable"),
     pytest.param(no_setup, lambda c: ["-m", "no_such_module_xyz"],
                  2, ["not importable", "no_such_module_xyz"], id="missing-module"),
     pytest.param(no_setup, lambda c: ["--rdzv-endpoints", "http://:abc", c.script],

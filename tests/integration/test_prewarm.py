@@ -159,6 +159,7 @@ def test_a_closed_pool_starts_nothing_and_leaves_no_process(probe, tmp_path):
 def test_prewarm_with_no_python_is_refused_in_one_line(tmp_path):
     script = tmp_path / "run.sh"
     script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
     done = subprocess.run([sys.executable, "-m", "elastic_runner", "--standalone", "--prewarm",
                            "--no-python", str(script)], capture_output=True, text=True,
                           timeout=60)

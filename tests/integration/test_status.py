@@ -82,10 +82,13 @@ def test_watch_rerenders_when_a_node_joins(job):
     # SIGINT as a terminal's Ctrl-C finds it: a test run started in the background by a
     # non-interactive shell ignores SIGINT, the watcher would inherit that, and Python
     # then installs no KeyboardInterrupt handler (seen: the watcher ignored the SIGINT).
-    watcher = subprocess.Popen([sys.executable, "-m", "elastic_runner", "status",
+    # Set in the child's own Python, not by a preexec_fn (_process.bound_to_parent: why).
+    with_ctrl_c = ("import runpy, signal, sys; signal.signal(signal.SIGINT, "
+                   "signal.default_int_handler); sys.argv[0] = 'elastic-run'; "
+                   "runpy.run_module('elastic_runner', run_name='__main__')")
+    watcher = subprocess.Popen([sys.executable, "-c", with_ctrl_c, "status",
                                 "--rdzv-endpoints", job.endpoint, "--run-id", job.run_id,
-                                "--json", "--watch"], stdout=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                "--json", "--watch"], stdout=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in watcher.stdout],
                      daemon=True).start()
