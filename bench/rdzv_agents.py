@@ -10,6 +10,7 @@ cover threads and processes alike and need no hook in the engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -243,20 +244,24 @@ class ProcessGroupAgents:
 class Meter:
     """etcd's request counters and the CPU time of the agents' and etcd's processes."""
 
-    def __init__(self, endpoint: str, agent_pids: list[int], etcd_pid: int | None):
+    def __init__(self, endpoint: str, agent_pids: list[int], etcd_pid: int | None,
+                 proxy_pid: int | None = None):
         self.endpoint, self.agent_pids, self.etcd_pid = endpoint, agent_pids, etcd_pid
+        self.proxy_pid = proxy_pid
 
-    def read(self) -> tuple[float, dict, float, float, float | None]:
+    def read(self) -> tuple[float, dict, float, float, float | None, float | None]:
         requests, events = scrape(self.endpoint)
         return (time.time(), requests, cpu_seconds(self.agent_pids),
-                cpu_seconds([self.etcd_pid] if self.etcd_pid else []), events)
+                cpu_seconds([self.etcd_pid] if self.etcd_pid else []), events,
+                cpu_seconds([self.proxy_pid]) if self.proxy_pid else None)
 
     @staticmethod
     def phase(name: str, before, after, n: int, rounds: int) -> dict:
         requests = delta(before[1], after[1])
         per_round = max(rounds, 1)
         events = None if before[4] is None or after[4] is None else int(after[4] - before[4])
-        return {f"{name}_requests": requests,
+        proxy = {} if after[5] is None else {f"{name}_proxy_cpu_s": after[5] - before[5]}
+        return {**proxy,f"{name}_requests": requests,
                 f"{name}_requests_total": sum(requests.values()),
                 f"{name}_requests_per_agent_round": sum(requests.values()) / n / per_round,
                 f"{name}_rounds": rounds,
@@ -302,3 +307,14 @@ def stored_sizes(endpoint: str, run_id: str, number: int) -> tuple[int | None, i
         client.close()
     return (len(plan.value) if plan is not None else None,
             len(round_kv.value) if round_kv is not None else None)
+
+
+@contextlib.contextmanager
+def proxy_in_front(etcd_endpoint: str, wanted: bool):
+    """An etcd gRPC proxy for the agents to reach etcd through, when `wanted`."""
+    if not wanted:
+        yield None
+        return
+    from elastic_runner.etcd.proxy import EtcdGrpcProxy
+    with EtcdGrpcProxy(etcd_endpoint) as proxy:
+        yield proxy

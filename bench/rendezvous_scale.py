@@ -27,6 +27,10 @@ lease, so the TTL only enters the figures as keep-alives, one per agent per TTL/
 For the same reason elastic-run's wait for an agreement is at least 0.4 s x N
 (--timeout still bounds torch). One invocation runs all four sizes by default.
 
+With --grpc-proxy, elastic-run's agents reach etcd through one `etcd grpc-proxy`
+(elastic_runner/etcd/proxy.py), as a large fleet deploys it: the requests, watch
+events and etcd CPU are still etcd's own, and the proxy's CPU is reported beside them.
+
 torch: each simulated agent is a DynamicRendezvousHandler (torch defaults:
 last call 30 s, close 30 s, keep-alive 5 s x 3) on a C10dRendezvousBackend with its
 own TCPStore client to one TCPStore server; `next_rendezvous()`. A leave is a
@@ -38,6 +42,8 @@ backend get_state/set_state calls (each one reads or writes the whole state).
 
     .venv/bin/python bench/rendezvous_scale.py --sizes 8,64,256,1024 --processes 8
     .venv/bin/python bench/rendezvous_scale.py --sizes 8,64 --no-torch --out rs-trial.json
+    .venv/bin/python bench/rendezvous_scale.py --no-torch --grpc-proxy \
+        --out bench/latest/rendezvous_scale-proxy.json
 
 Without --out the results go to bench/results/ and bench/latest/rendezvous_scale.json;
 with it, only to that file (trial runs leave the published figures alone).
@@ -56,7 +62,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c  # noqa: E402
 from rdzv_agents import (  # noqa: E402
-    Meter, ProcessGroupAgents, SimAgent, delta, last_registration, stored_sizes, wait_agreed,
+    Meter, ProcessGroupAgents, SimAgent, delta, last_registration, proxy_in_front, stored_sizes,
+    wait_agreed,
 )
 
 os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no per-round MASTER_ADDR servers
@@ -89,11 +96,12 @@ def phase(res: dict, name: str, meter: Meter, before, got, after_round: int, n: 
 def elastic_size(endpoint: str, n: int, churn: bool, args) -> dict:
     """Threads in this process, a client each; its CPU stands for the agents'."""
     run_id = f"scale-{n}-{os.getpid()}-{int(time.time())}"
+    agents_at = args.proxy_endpoint or endpoint
     t_build = time.time()
-    agents = [SimAgent(endpoint, run_id, f"s{i:04d}", n, args.settle, args.lease_ttl)
+    agents = [SimAgent(agents_at, run_id, f"s{i:04d}", n, args.settle, args.lease_ttl)
               for i in range(n)]
     res = {"n": n, "clients_connect_s": time.time() - t_build}
-    meter = Meter(endpoint, [os.getpid()], args.etcd_pid)
+    meter = Meter(endpoint, [os.getpid()], args.etcd_pid, args.proxy_pid)
     m0 = meter.read()
     go = time.time() + 0.5
     for a in agents:
@@ -111,7 +119,7 @@ def elastic_size(endpoint: str, n: int, churn: bool, args) -> dict:
         phase(res, "leave", meter, m2, got2, got[1], n - 1, endpoint, run_id)
         if got2:
             time.sleep(1.0)
-            newcomer = SimAgent(endpoint, run_id, "new0", n, args.settle, args.lease_ttl)
+            newcomer = SimAgent(agents_at, run_id, "new0", n, args.settle, args.lease_ttl)
             m4 = meter.read()
             threading.Thread(target=newcomer.run, args=(m4[0], True), daemon=True).start()
             rest.append(newcomer)
@@ -148,8 +156,10 @@ def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
     run_id = f"scale-{n}-{os.getpid()}-{int(time.time())}"
     processes = min(args.processes, n)
     res = {"n": n, "processes": processes}
-    group = ProcessGroupAgents(endpoint, run_id, n, processes, args, True)
-    meter = Meter(endpoint, [child.pid for child in group.children], args.etcd_pid)
+    agents_at = args.proxy_endpoint or endpoint  # the agents' way to etcd; counted at etcd
+    group = ProcessGroupAgents(agents_at, run_id, n, processes, args, True)
+    meter = Meter(endpoint, [child.pid for child in group.children], args.etcd_pid,
+                  args.proxy_pid)
     try:
         spawned = meter.read()
         res["start_ready_before_go"] = group.wait_ready()
@@ -172,7 +182,7 @@ def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
             phase(res, "leave", meter, m2, got2, got[1], n - 1, endpoint, run_id)
             if got2:
                 time.sleep(2.0)
-                newcomer = SimAgent(endpoint, run_id, "new0", n, args.settle, args.lease_ttl)
+                newcomer = SimAgent(agents_at, run_id, "new0", n, args.settle, args.lease_ttl)
                 newcomer.on_plan = lambda plan: group.updates.put(("new0", *plan))
                 m4 = meter.read()
                 threading.Thread(target=newcomer.run, args=(m4[0], True), daemon=True).start()
@@ -336,6 +346,10 @@ def parse_args():
                     help="spread elastic-run's simulated agents over up to this many processes "
                          "(at most one per agent; 0: threads in this process, a client each; "
                          "too many channels for N >= 256)")
+    ap.add_argument("--grpc-proxy", action="store_true",
+                    help="elastic-run's agents reach etcd through one `etcd grpc-proxy` "
+                         "(elastic_runner/etcd/proxy.py); etcd's figures stay etcd's, the proxy's CPU is "
+                         "reported apart")
     ap.add_argument("--out", type=Path, default=None,
                     help="write the JSON here only, not to bench/results and bench/latest")
     return ap.parse_args()
@@ -345,8 +359,10 @@ def run_sizes(args, sizes: list[int]) -> tuple[dict, dict, list]:
     from elastic_runner.etcd.server import EmbeddedEtcd
 
     er_res, tr_res, servers = {}, {}, []
-    with EmbeddedEtcd() as etcd:
+    with EmbeddedEtcd() as etcd, proxy_in_front(etcd.endpoint, args.grpc_proxy) as proxy:
         args.etcd_pid = etcd.process.pid
+        args.proxy_endpoint = proxy.endpoint if proxy else None
+        args.proxy_pid = proxy.process.pid if proxy else None
         for n in sizes:
             one = size_args(args, n)
             print(f"elastic-run N={n} (lease TTL {one.lease_ttl} s, wait {one.timeout:.0f} s) ...",
@@ -371,6 +387,11 @@ def _num(value, spec: str, unit: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{unit}"
 
 
+def _proxy_cell(res: dict, event: str) -> str:
+    proxy = res.get(f"{event}_proxy_cpu_s")
+    return "" if proxy is None else f" (+{proxy:.2f} s proxy)"
+
+
 def table_rows(sizes: list[int], er_res: dict, tr_res: dict) -> list[list[str]]:
     rows = []
     for event in ("start", "leave", "join"):
@@ -386,7 +407,7 @@ def table_rows(sizes: list[int], er_res: dict, tr_res: dict) -> list[list[str]]:
                 f"{event}, N={n}", c.fmt(e.get(f"{event}_s"), "s", 2),
                 _num(e.get(f"{event}_rounds"), "d"),
                 _num(e.get(f"{event}_agent_cpu_ms_per_agent"), ".0f", " ms"),
-                _num(e.get(f"{event}_etcd_cpu_s"), ".2f", " s"),
+                _num(e.get(f"{event}_etcd_cpu_s"), ".2f", " s") + _proxy_cell(e, event),
                 f"{per_round:.1f}" if per_round is not None else
                 f"{e.get(f'{event}_requests_total', 0)} total",
                 "-" if events is None else
@@ -442,7 +463,9 @@ def report(args, sizes, er_res, tr_res, info, started) -> str:
     ttls = sorted({er_res[n]["lease_ttl"] for n in sizes})
     ttl = (f"{ttls[0]}s" if len(ttls) == 1 else
            "by N " + ", ".join(f"{n}: {er_res[n]['lease_ttl']}s" for n in sizes))
-    return (f"rendezvous_scale: simulated agents as threads {spread}, loopback; "
+    route = ("; elastic-run's agents reach etcd through one etcd grpc-proxy (etcd CPU is "
+             "etcd's alone; the proxy's in brackets)" if args.grpc_proxy else "")
+    return (f"rendezvous_scale: simulated agents as threads {spread}, loopback{route}; "
             f"elastic-run settle {args.settle}s, lease TTL {ttl}; torch defaults\n"
             f"{info['date_utc']} UTC, {info['cores']} cores, torch {info['torch']}, etcd {info['etcd']}\n\n"
             + c.table(["event", "elastic-run (etcd)", "rounds", "CPU per agent", "etcd CPU",

@@ -31,7 +31,7 @@ from elastic_runner.errors import (
     ConfigError, EtcdAuthError, EtcdError, EtcdUnavailable, LeaseNotFound,
 )
 from elastic_runner.etcd.endpoints import parse_endpoint
-from elastic_runner.etcd.keepalive import KeepAliveStream
+from elastic_runner.etcd.keepalive import KeepAliveStream, StreamEnded
 from elastic_runner.etcd.tls import tls_problem
 from elastic_runner.etcd.values import (
     Compare, Delete, Get, KeyValue, Nested, Put, Read, TxnResult, WatchEvent,
@@ -253,15 +253,24 @@ class EtcdClient:
         if ttl is not None:
             return ttl
         deadline_s -= time.monotonic() - started
-        responses = self._retrying(
-            lambda: list(self._client.refresh_lease(lease_id)), "a lease keep-alive", deadline_s
-        )
-        if not responses:
-            # The stream closed without an answer: that says
-            # nothing about the lease, so it is a failed refresh, not an expiry.
+        end = time.monotonic() + deadline_s
+
+        def one_shot() -> int:
+            try:
+                ttl = self._keepalive.one_shot(lease_id, end - time.monotonic(), self._client)
+            except ValueError as exc:  # grpc: "Cannot invoke RPC: Channel closed!"
+                raise EtcdUnavailable(f"lease keep-alive after the client was closed ({exc})") \
+                    from exc
+            if ttl is None:
+                raise EtcdUnavailable(f"etcd at {self._endpoint_text} did not answer a lease "
+                                      f"keep-alive within {deadline_s:.1f} s")
+            return ttl
+        try:
+            return self._retrying(one_shot, "a lease keep-alive", deadline_s)
+        except StreamEnded as exc:
+            # Says nothing about the lease: a failed refresh, not an expiry.
             raise EtcdUnavailable(f"etcd at {self._endpoint_text} closed a lease keep-alive "
-                                  "without answering")
-        return responses[-1].TTL
+                                  "without answering") from exc
 
     def revoke_lease(self, lease_id: int, deadline_s: float | None = None) -> None:
         try:

@@ -7,11 +7,23 @@ ms on a stream kept open. At 1,024 nodes refreshing every TTL/3 (1.7 s at the de
 --lease-ttl 5) that is about a quarter of a core spent on keep-alives alone, against
 a few percent, and it grows with the number of nodes.
 
-Any trouble (the stream ends or fails, no answer within the caller's deadline, the
-client was replaced after a re-authentication) closes the stream and returns None;
-the caller then refreshes the old way, which also marks a failed endpoint for
-failover, and the next refresh opens a fresh stream. So this can only save work: a
+A stream that ends or fails, or belongs to a client replaced after a
+re-authentication, is closed and the refresh returns None; the caller then refreshes
+on a stream of its own (`one_shot`), which also marks a failed endpoint for failover,
+and the next refresh opens a fresh long-lived stream. So this can only save work: a
 refresh never fails here that would have succeeded before.
+
+A late answer is not a broken stream. etcd's gRPC proxy (`etcd grpc-proxy`, the
+usual way to spread a large fleet's watches and keep-alives over stateless
+processes) keeps the lease alive on its own schedule and answers each request at
+its next refresh of that lease, up to a third of the TTL plus 0.5 s later
+(server/proxy/grpcproxy/lease.go: keepAliveLoop, replyToClient). So one answer
+missing within the deadline leaves the stream open; the answer that comes later is
+taken by the lease's next refresh (it is then at most one interval old, so a lost
+lease is seen one interval later) or skipped by another lease's. Only a second miss
+in a row gives the stream up. For the same reason the one-shot refresh keeps its request side open
+until it is answered: the proxy ends a stream whose client half-closed before it
+replies, which is what a library's one-request refresh does.
 
 No import of the etcd library here (client.py is the one module that has it): the
 client hands in how to open a stream and how to build a request.
@@ -21,50 +33,70 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from typing import Any, Callable, Iterator
 
 _END = object()  # ends the request stream
+_MISSES_BEFORE_GIVING_UP = 2  # timed-out asks with no answer of any kind in between
+
+
+class StreamEnded(Exception):
+    """The server ended a keep-alive stream without answering."""
 
 
 class KeepAliveStream:
-    """One client's keep-alive stream; used by one lease loop at a time (lease.py)."""
+    """One client's keep-alive stream, shared by the leases refreshed through it."""
 
     def __init__(self, open_stream: Callable[[object, Iterator[Any]], Iterator[Any]],
                  request: Callable[[int], Any]):
         self._open_stream = open_stream
         self._request = request
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _stream: opening, replacing, giving up
         self._stream: _Stream | None = None
 
     def refresh(self, lease_id: int, deadline_s: float, owner: object) -> int | None:
         """The lease's remaining TTL from etcd's answer, or None when the stream could
         not give one in time. `owner`: the library client now in use; a stream opened on
-        an earlier one (before a re-authentication) is closed and opened again."""
-        started = time.monotonic()
-        # Leases that share a client queue here; the wait counts against each one's
-        # deadline, so a stream gone silent cannot hold the ones behind it past theirs.
-        if not self._lock.acquire(timeout=max(0.0, deadline_s)):
+        an earlier one (before a re-authentication) is closed and opened again. Leases
+        ask side by side: one waiting for a late answer holds up no other."""
+        stream = self._current(owner)
+        if stream is None:
             return None
         try:
-            return self._refresh(lease_id, deadline_s - (time.monotonic() - started), owner)
-        finally:
-            self._lock.release()
-
-    def _refresh(self, lease_id: int, deadline_s: float, owner: object) -> int | None:
-        if self._stream is not None and self._stream.owner is not owner:
-            self._stream.close()
-            self._stream = None
-        if self._stream is None:
-            try:
-                self._stream = _Stream(self._open_stream, owner)
-            except Exception:  # noqa: BLE001 - the old way says what is wrong
-                return None
-        ttl = self._stream.ask(self._request(lease_id), lease_id, deadline_s)
-        if ttl is None:
-            self._stream.close()
-            self._stream = None
+            ttl = stream.ask(self._request(lease_id), lease_id, deadline_s)
+        except Exception:  # noqa: BLE001 - ended or failed: the one-shot says what is wrong
+            self._give_up(stream)
+            return None
+        if ttl is None and stream.misses >= _MISSES_BEFORE_GIVING_UP:
+            self._give_up(stream)
         return ttl
+
+    def one_shot(self, lease_id: int, deadline_s: float, owner: object) -> int | None:
+        """Refresh on a stream of its own, closed after its answer: the TTL, or None
+        when none came in time. Raises what ended the stream (a gRPC error, or
+        StreamEnded), so the caller can tell a failed endpoint from a slow one."""
+        stream = _Stream(self._open_stream, owner)
+        try:
+            return stream.ask(self._request(lease_id), lease_id, deadline_s)
+        finally:
+            stream.close()
+
+    def _current(self, owner: object) -> "_Stream | None":
+        with self._lock:
+            if self._stream is not None and self._stream.owner is not owner:
+                self._stream.close()
+                self._stream = None
+            if self._stream is None:
+                try:
+                    self._stream = _Stream(self._open_stream, owner)
+                except Exception:  # noqa: BLE001 - the one-shot says what is wrong
+                    return None
+            return self._stream
+
+    def _give_up(self, stream: "_Stream") -> None:
+        with self._lock:
+            if self._stream is stream:
+                self._stream = None
+        stream.close()
 
     def close(self) -> None:
         with self._lock:
@@ -74,13 +106,20 @@ class KeepAliveStream:
 
 
 class _Stream:
-    """The request queue, the call, and a reader thread that queues each answer."""
+    """The request queue, the call, and a reader thread that hands each answer to the
+    lease it is about; an answer no ask waits for is kept for that lease's next ask."""
 
     def __init__(self, open_stream: Callable[[object, Iterator[Any]], Iterator[Any]],
                  owner: object):
         self.owner = owner
+        self._lock = threading.Lock()
+        self._waiting: dict[int, queue.SimpleQueue] = {}
+        self._unclaimed: dict[int, Any] = {}
+        self._ended: BaseException | None = None
+        # Timed-out asks since the stream last answered anything: an answer about any
+        # lease shows the stream alive, however late the one a lease waits for is.
+        self.misses = 0
         self._requests: queue.Queue = queue.Queue()
-        self._answers: queue.Queue = queue.Queue()
         self._call = open_stream(owner, self._pending())
         threading.Thread(target=self._read, name="etcd lease keep-alive stream",
                          daemon=True).start()
@@ -95,20 +134,52 @@ class _Stream:
     def _read(self) -> None:
         try:
             for answer in self._call:
-                self._answers.put(answer)
-        except Exception as error:  # noqa: BLE001 - a broken stream, told to the asker
-            self._answers.put(error)
+                self._deliver(answer)
+        except Exception as error:  # noqa: BLE001 - a broken stream, told to the askers
+            self._end(error)
         else:
-            self._answers.put(None)
+            self._end(StreamEnded("the server ended the keep-alive stream without answering"))
+
+    def _deliver(self, answer: Any) -> None:
+        with self._lock:
+            self.misses = 0
+            waiter = self._waiting.get(answer.ID)
+            if waiter is None:
+                self._unclaimed[answer.ID] = answer
+            else:
+                waiter.put(answer)
+
+    def _end(self, why: BaseException) -> None:
+        with self._lock:
+            self._ended = why
+            for waiter in self._waiting.values():
+                waiter.put(why)
 
     def ask(self, request: Any, lease_id: int, deadline_s: float) -> int | None:
+        """The lease's TTL from the answer to this request; failing that within the
+        deadline, from a late answer to an earlier one (kept when its ask had given up,
+        at most an interval old); else None. A fresh answer is preferred, so a lease
+        lost since the kept answer is seen at once wherever answers are prompt."""
+        waiter: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            if self._ended is not None:
+                raise self._ended
+            kept = self._unclaimed.pop(lease_id, None)
+            self._waiting[lease_id] = waiter
         self._requests.put(request)
         try:
-            answer = self._answers.get(timeout=max(0.0, deadline_s))
+            answer = waiter.get(timeout=max(0.0, deadline_s))
         except queue.Empty:
+            if kept is not None:
+                return kept.TTL
+            with self._lock:
+                self.misses += 1
             return None
-        if answer is None or isinstance(answer, BaseException) or answer.ID != lease_id:
-            return None
+        finally:
+            with self._lock:
+                self._waiting.pop(lease_id, None)
+        if isinstance(answer, BaseException):
+            raise answer
         return answer.TTL
 
     def close(self) -> None:

@@ -1,30 +1,51 @@
-"""etcd/keepalive.py with a fake stream: what makes it give up a stream, and reopen one."""
+"""etcd/keepalive.py with a fake stream: what makes it give up a stream, what it takes
+for an answer, and that leases sharing a stream do not wait for one another."""
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from types import SimpleNamespace
 
-from elastic_runner.etcd.keepalive import KeepAliveStream
+import pytest
+
+from elastic_runner.etcd.keepalive import KeepAliveStream, StreamEnded
 
 
 class FakeServer:
-    """Answers each request on the stream it came on; `ttl`/`answer_id`/`silent` steer it."""
+    """Answers each request on its stream from a thread of its own, as gRPC does.
+
+    `ttl`: the TTL it answers; `silent`: lease ids it never answers; `delay_s`: how
+    late an answer comes (etcd's gRPC proxy answers at its own next refresh);
+    `answer_id`: answer about this lease instead; `end_after`: end the stream after
+    that many answers."""
 
     def __init__(self):
         self.opened: list[object] = []
-        self.ttl, self.answer_id, self.silent, self.end_after = 30, None, False, None
+        self.ttl, self.silent, self.delay_s = 30, set(), 0.0
+        self.answer_id, self.end_after = None, None
 
     def open(self, owner, requests):
         self.opened.append(owner)
+        answers: queue.Queue = queue.Queue()
 
-        def answers():
+        def serve():
             for count, request in enumerate(requests, 1):
-                if self.silent:
+                if request in self.silent:
                     continue
-                yield SimpleNamespace(ID=self.answer_id or request, TTL=self.ttl)
+                answer = SimpleNamespace(ID=self.answer_id or request, TTL=self.ttl)
+                threading.Timer(self.delay_s, answers.put, args=(answer,)).start()
                 if self.end_after == count:
+                    time.sleep(self.delay_s + 0.05)
+                    answers.put(None)
                     return
-        return answers()
+
+        def stream():
+            while (answer := answers.get()) is not None:
+                yield answer
+        threading.Thread(target=serve, daemon=True).start()
+        return stream()
 
 
 def stream(server: FakeServer) -> KeepAliveStream:
@@ -41,43 +62,107 @@ def test_refreshes_share_one_stream_until_the_client_is_replaced():
     keepalive.close()
 
 
-def test_a_silent_ended_or_confused_stream_is_given_up_and_the_next_refresh_reopens():
+def test_a_silent_stream_is_given_up_after_two_misses_and_the_next_refresh_reopens():
     server, owner = FakeServer(), object()
     keepalive = stream(server)
-    server.silent = True
+    server.silent = {7}
     assert keepalive.refresh(7, 0.2, owner) is None
-    server.silent, server.answer_id = False, 99  # an answer about another lease
-    assert keepalive.refresh(7, 1.0, owner) is None
-    server.answer_id, server.end_after = None, 1  # the server ends the stream
+    assert keepalive.refresh(7, 0.2, owner) is None
+    assert len(server.opened) == 1  # one miss may be a late answer: kept until the second
+    server.silent = set()
     assert keepalive.refresh(7, 1.0, owner) == 30
-    assert keepalive.refresh(7, 1.0, owner) is None
-    server.end_after, server.ttl = None, 0  # the lease is gone: said, not a failure
-    assert keepalive.refresh(7, 1.0, owner) == 0
-    assert len(server.opened) == 4  # silent, confused, ended after one answer, the last
+    assert len(server.opened) == 2
     keepalive.close()
 
 
-def test_a_stream_that_cannot_open_leaves_the_refresh_to_the_old_way():
-    def refuse(owner, requests):
-        raise RuntimeError("no channel")
-    assert KeepAliveStream(refuse, lambda lease_id: lease_id).refresh(7, 1.0, object()) is None
-
-
-def test_leases_that_share_a_client_wait_for_the_stream_only_within_their_deadline():
-    """One lease's refresh on a silent stream holds the lock for its half-deadline;
-    the lease queued behind it gives up the stream within its own deadline (and then
-    refreshes the old way), instead of adding one wait per lease ahead of it."""
-    import threading
-    import time
-
+def test_answers_about_other_leases_show_the_stream_alive():
     server, owner = FakeServer(), object()
-    server.silent = True
+    keepalive = stream(server)
+    server.answer_id = 99
+    assert [keepalive.refresh(7, 0.2, owner) for _ in range(3)] == [None] * 3
+    assert len(server.opened) == 1
+    keepalive.close()
+
+
+def test_an_ended_stream_is_given_up_at_once_and_a_gone_lease_is_said():
+    server, owner = FakeServer(), object()
+    keepalive = stream(server)
+    server.end_after = 1
+    assert keepalive.refresh(7, 1.0, owner) == 30
+    started = time.monotonic()
+    assert keepalive.refresh(7, 1.0, owner) is None
+    assert time.monotonic() - started < 0.5  # the end is news: no wait for the deadline
+    server.end_after, server.ttl = None, 0
+    assert keepalive.refresh(7, 1.0, owner) == 0  # the lease is gone: said, not a failure
+    assert len(server.opened) == 2
+    keepalive.close()
+
+
+def test_a_late_answer_is_taken_by_the_next_refresh_without_a_new_stream():
+    """etcd's gRPC proxy: each answer comes 0.4 s after its request, past a 0.2 s
+    deadline, and refreshes come 0.3 s apart (the interval). The first refresh
+    misses; each one after gets the answer the one before missed, and the stream
+    stays."""
+    server, owner = FakeServer(), object()
+    keepalive = stream(server)
+    server.delay_s = 0.4
+    got = []
+    for _ in range(4):
+        got.append(keepalive.refresh(7, 0.2, owner))
+        time.sleep(0.3)
+    assert got == [None, 30, 30, 30]
+    assert len(server.opened) == 1
+    keepalive.close()
+
+
+def test_a_prompt_answer_is_preferred_to_a_kept_one():
+    """A kept answer said TTL 30; the lease is gone since. Where answers are prompt
+    the refresh must say so now, not one interval later."""
+    server, owner = FakeServer(), object()
+    keepalive = stream(server)
+    server.delay_s = 0.4
+    assert keepalive.refresh(7, 0.2, owner) is None
+    time.sleep(0.3)  # the TTL-30 answer arrived and is kept
+    server.delay_s, server.ttl = 0.0, -1
+    assert keepalive.refresh(7, 1.0, owner) == -1
+    keepalive.close()
+
+
+def test_leases_sharing_a_stream_do_not_wait_for_one_another():
+    """Lease 1 is never answered and waits out its 2 s; lease 2, asked meanwhile on
+    the same stream, gets its answer at once."""
+    server, owner = FakeServer(), object()
+    server.silent = {1}
     keepalive = stream(server)
     first = threading.Thread(target=keepalive.refresh, args=(1, 2.0, owner))
     first.start()
     time.sleep(0.1)
     started = time.monotonic()
-    assert keepalive.refresh(2, 0.5, owner) is None
-    assert time.monotonic() - started < 1.0  # not the 2 s the first one may hold the stream
+    assert keepalive.refresh(2, 2.0, owner) == 30
+    assert time.monotonic() - started < 0.5
     first.join()
+    assert len(server.opened) == 1
     keepalive.close()
+
+
+def test_a_stream_that_cannot_open_leaves_the_refresh_to_the_one_shot():
+    def refuse(owner, requests):
+        raise RuntimeError("no channel")
+    assert KeepAliveStream(refuse, lambda lease_id: lease_id).refresh(7, 1.0, object()) is None
+
+
+def test_the_one_shot_waits_for_its_answer_and_says_why_a_stream_ended():
+    """The one-shot keeps its request side open until answered (etcd's gRPC proxy
+    drops a stream whose client half-closed first), and it closes after."""
+    server, owner = FakeServer(), object()
+    keepalive = stream(server)
+    server.delay_s = 0.3
+    assert keepalive.one_shot(7, 1.0, owner) == 30
+    server.silent = {7}
+    assert keepalive.one_shot(7, 0.2, owner) is None
+    assert len(server.opened) == 2  # each one-shot on a stream of its own
+
+    def ended(owner, requests):
+        return iter(())
+    with pytest.raises(StreamEnded):
+        KeepAliveStream(ended, lambda lease_id: lease_id).one_shot(7, 1.0, owner)

@@ -1,0 +1,97 @@
+"""etcd's gRPC proxy (`etcd grpc-proxy start`) on a free loopback port, for the tests
+and the rendezvous bench; in production it is started beside the agents (deploy/).
+
+Why a proxy at all: every agent watches the run's common range (notice/*, round,
+round/*), so at N agents etcd sends each round-key write N times, and holds N
+connections and N keep-alive streams. The proxy coalesces watchers of one range into
+a single etcd watcher and fans the events out itself, and carries its clients'
+requests over its own connection. Proxies are stateless, so a fleet runs as many as
+it needs (one per rack, say) and their work stays off the one etcd cluster every
+node shares. What it changes for us: keep-alives are answered on the proxy's own
+schedule (etcd/keepalive.py), and a frozen client's lease lives up to one TTL longer
+(the proxy keeps refreshing until a TTL passes without a request from it).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from elastic_runner._process import bound_to_parent
+from elastic_runner.errors import EtcdUnavailable
+from elastic_runner.etcd.server import find_etcd_binary, free_port
+
+
+class EtcdGrpcProxy:
+    """One proxy process in front of `etcd_endpoint`, stopped by its PID."""
+
+    def __init__(self, etcd_endpoint: str, binary: str | None = None,
+                 startup_deadline_s: float = 10.0):
+        self.binary = find_etcd_binary(binary)
+        self.port = free_port()
+        self.etcd_endpoint = etcd_endpoint
+        self.startup_deadline_s = startup_deadline_s
+        self.data_dir = Path(tempfile.mkdtemp(prefix="elastic-run-grpc-proxy-"))
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "proxy.log"
+
+    def command(self) -> list[str]:
+        target = self.etcd_endpoint.split("://", 1)[-1]
+        return [self.binary, "grpc-proxy", "start", f"--endpoints={target}",
+                f"--listen-addr=127.0.0.1:{self.port}",
+                f"--advertise-client-url=127.0.0.1:{self.port}",
+                f"--data-dir={self.data_dir / 'data'}"]
+
+    def start(self) -> "EtcdGrpcProxy":
+        on_main = threading.current_thread() is threading.main_thread()  # server.py: why
+        argv = bound_to_parent(self.command()) if on_main else self.command()
+        with open(self.log_path, "ab") as log_file:
+            self.process = subprocess.Popen(
+                argv, stdout=log_file, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+        self._wait_listening()
+        return self
+
+    def _wait_listening(self) -> None:
+        deadline = time.monotonic() + self.startup_deadline_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise EtcdUnavailable(f"etcd grpc-proxy exited with code "
+                                      f"{self.process.returncode}; see {self.log_path}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise EtcdUnavailable(f"etcd grpc-proxy not listening within "
+                              f"{self.startup_deadline_s:g} s; see {self.log_path}")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if not self.process or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def __enter__(self) -> "EtcdGrpcProxy":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)

@@ -1,0 +1,72 @@
+"""Agents behind etcd's gRPC proxy (`etcd grpc-proxy start`), the stateless process a
+large fleet puts between its nodes and etcd. The proxy answers keep-alives on its
+own schedule, and answers none on a stream whose client half-closed first; before
+etcd/keepalive.py allowed for that, leases sharing a client were dropped within a
+TTL through a healthy proxy."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elastic_runner.config import EtcdConfig
+from elastic_runner.etcd.client import EtcdClient
+from elastic_runner.etcd.lease import KeptLease
+from elastic_runner.etcd.proxy import EtcdGrpcProxy
+from elastic_runner.rendezvous import protocol as p
+from tests.helpers.rdzv_nodes import Node, wait_for_agreement
+from tests.integration.test_rendezvous_deputies import crash
+
+
+@pytest.fixture
+def proxy(etcd_any_version):
+    with EtcdGrpcProxy(etcd_any_version.endpoint, binary=etcd_any_version.binary) as running:
+        yield etcd_any_version, running
+
+
+def client_at(endpoint: str) -> EtcdClient:
+    return EtcdClient(EtcdConfig((endpoint,), timeout_s=5.0, retry_deadline_s=10.0))
+
+
+def test_leases_sharing_a_client_stay_alive_and_a_revoked_one_is_seen(proxy):
+    etcd, running = proxy
+    via_proxy, direct = client_at(running.endpoint), client_at(etcd.endpoint)
+    leases = [KeptLease(via_proxy, ttl_s=2) for _ in range(6)]
+    try:
+        time.sleep(6.0)  # three TTLs: every lease refreshed 9 times through the proxy
+        assert [lease.lost.is_set() for lease in leases] == [False] * 6
+        assert all(direct.lease_remaining(lease.id) > 0 for lease in leases)
+        direct.revoke_lease(leases[0].id)  # another party drops one: etcd says so
+        deadline = time.monotonic() + 6.0
+        while not leases[0].lost.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert leases[0].lost.is_set()
+        assert [lease.lost.is_set() for lease in leases[1:]] == [False] * 5
+    finally:
+        for lease in leases:
+            lease.stop()
+        via_proxy.close()
+        direct.close()
+
+
+def test_a_round_forms_loses_a_member_and_admits_a_newcomer_through_the_proxy(proxy):
+    etcd, running = proxy
+    nodes = [Node(running.endpoint, "proxied", f"n{i}", 8, lease_ttl_s=2, deputies=1).start()
+             for i in range(3)]
+    newcomer = None
+    try:
+        first = wait_for_agreement(nodes, 3)
+        crash(nodes[2])  # no revoke: the proxy stops refreshing a TTL after its last request
+        survivors = nodes[:2]
+        second = wait_for_agreement(survivors, 2, timeout_s=30)
+        assert second.round > first.round
+        assert p.Cause.parse(second.cause).kind is p.CauseKind.MEMBER_LOST
+        assert set(second.node_ids) == {"n0", "n1"}
+        newcomer = Node(running.endpoint, "proxied", "n3", 8, lease_ttl_s=2, deputies=1).start()
+        third = wait_for_agreement([*survivors, newcomer], 3, timeout_s=30)
+        assert set(third.node_ids) == {"n0", "n1", "n3"}
+        assert [n.error for n in nodes + [newcomer]] == [None] * 4
+    finally:
+        for each in nodes + ([newcomer] if newcomer else []):
+            each.stop()
