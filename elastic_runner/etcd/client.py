@@ -258,6 +258,11 @@ class EtcdClient:
         def one_shot() -> int:
             try:
                 ttl = self._keepalive.one_shot(lease_id, end - time.monotonic(), self._client)
+            except grpc.RpcError as exc:
+                # As the library's own calls do: an endpoint that is down is marked failed,
+                # so the retry (and every later call) goes to the next one.
+                self._client._manage_grpc_errors(exc)
+                raise
             except ValueError as exc:  # grpc: "Cannot invoke RPC: Channel closed!"
                 raise EtcdUnavailable(f"lease keep-alive after the client was closed ({exc})") \
                     from exc

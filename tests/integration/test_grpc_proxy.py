@@ -70,3 +70,26 @@ def test_a_round_forms_loses_a_member_and_admits_a_newcomer_through_the_proxy(pr
     finally:
         for each in nodes + ([newcomer] if newcomer else []):
             each.stop()
+
+
+def test_leases_fail_over_to_the_second_proxy_when_the_first_dies(etcd):
+    """README "Deploying": agents list two proxies, and one that dies costs a failover,
+    not the leases. Keep-alives are the only calls here, so nothing else would move
+    the client to the second endpoint."""
+    with EtcdGrpcProxy(etcd.endpoint) as first, EtcdGrpcProxy(etcd.endpoint) as second:
+        client = EtcdClient(EtcdConfig((first.endpoint, second.endpoint), timeout_s=5.0,
+                                       retry_deadline_s=10.0))
+        direct = client_at(etcd.endpoint)
+        leases = [KeptLease(client, ttl_s=3) for _ in range(3)]
+        try:
+            time.sleep(1.0)
+            first.process.kill()
+            first.process.wait()
+            time.sleep(6.0)  # two TTLs: a lease not refreshed through the second is gone
+            assert [lease.lost.is_set() for lease in leases] == [False] * 3
+            assert all(direct.lease_remaining(lease.id) > 0 for lease in leases)
+        finally:
+            for lease in leases:
+                lease.stop()
+            client.close()
+            direct.close()
