@@ -10,14 +10,20 @@ barriers:
   lease grant        one lease per node
   txn under lease    a guarded create under that lease (the registration's core)
   watch (stream)     a read for the revision, then the client's first watch from it
-                     (etcd opens a watch stream for it), as an agent's copy starts
+                     (etcd opens a watch stream for it), as an agent's copy starts;
+                     every client watches the same range, as every agent watches the
+                     run's round range
   watch (same stream) the same again on that stream: a read and a watch, no stream
   keep-alive stream  the first refresh: the client's long-lived LeaseKeepAlive stream
+
+Each route runs in turn on a fresh etcd: `direct` (each client to etcd) and `proxy`
+(each client to one `etcd grpc-proxy` in front of it, elastic_runner/etcd/proxy.py;
+the proxy's own CPU is reported beside etcd's).
 
 There is no torchrun side: torch's c10d rendezvous has no etcd; its etcd-v2 backend
 is gone with etcd 3.6. The figure to compare with is rendezvous_scale's start.
 
-    .venv/bin/python bench/etcd_start_costs.py            # N = 1,024, ~30 s
+    .venv/bin/python bench/etcd_start_costs.py            # N = 1,024, both routes, ~60 s
     .venv/bin/python bench/etcd_start_costs.py --clients 256
 """
 
@@ -37,6 +43,7 @@ import common as c  # noqa: E402
 
 from elastic_runner.config import EtcdConfig  # noqa: E402
 from elastic_runner.etcd.client import EtcdClient  # noqa: E402
+from elastic_runner.etcd.proxy import EtcdGrpcProxy  # noqa: E402
 from elastic_runner.etcd.server import EmbeddedEtcd  # noqa: E402
 from elastic_runner.etcd.values import Put, key_missing  # noqa: E402
 
@@ -71,9 +78,9 @@ class Client:
             key = f"{PREFIX}nodes/{self.name}"
             self.etcd.txn([key_missing(key)], [Put(key, b"n" * 160, self.lease)])
         elif number in (3, 4):
-            revision = self.etcd.get_prefix(f"{PREFIX}own/{self.name}/")[1]
+            revision = self.etcd.get_prefix(f"{PREFIX}round/{number}/")[1]
             self.watches.append(self.etcd.watch_prefix(
-                f"{PREFIX}own/{self.name}/{number}/", revision + 1, lambda events: None))
+                f"{PREFIX}round/{number}/", revision + 1, lambda events: None))
         elif number == 5:
             self.etcd.refresh_lease(self.lease, 30.0)
 
@@ -92,43 +99,72 @@ def process_main(endpoint: str, index: int, count: int, barrier, done) -> None:
     done.wait()
 
 
+def measure(endpoint: str, pids: dict[str, int], per: int, processes: int) -> dict:
+    """Every piece's CPU for each process in `pids`, then their idle rate."""
+    barrier, done = mp.Barrier(processes + 1), mp.Event()
+    workers = [mp.Process(target=process_main, args=(endpoint, k, per, barrier, done))
+               for k in range(processes)]
+    for worker in workers:
+        worker.start()
+    spent = {}
+    for name in PHASES:
+        barrier.wait()
+        before = {who: cpu_seconds(pid) for who, pid in pids.items()}
+        barrier.wait()
+        spent[name] = {who: cpu_seconds(pid) - before[who] for who, pid in pids.items()}
+    before = {who: cpu_seconds(pid) for who, pid in pids.items()}
+    time.sleep(3.0)
+    idle = {who: (cpu_seconds(pid) - before[who]) / 3.0 for who, pid in pids.items()}
+    done.set()
+    for worker in workers:
+        worker.join(60)
+    return {"pieces": spent, "idle_cpu_s_per_s": idle}
+
+
+def run_route(route: str, per: int, processes: int) -> dict:
+    with EmbeddedEtcd() as etcd:
+        if route == "direct":
+            return measure(etcd.endpoint, {"etcd": etcd.process.pid}, per, processes)
+        with EtcdGrpcProxy(etcd.endpoint) as proxy:
+            return measure(proxy.endpoint, {"etcd": etcd.process.pid,
+                                            "proxy": proxy.process.pid}, per, processes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=1024)
     parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--routes", default="direct,proxy")
     args = parser.parse_args()
     per = max(1, args.clients // args.processes)
     n = per * args.processes
-    rows, results = [], {}
-    with EmbeddedEtcd() as etcd:
-        pid = etcd.process.pid
-        barrier, done = mp.Barrier(args.processes + 1), mp.Event()
-        workers = [mp.Process(target=process_main, args=(etcd.endpoint, k, per, barrier, done))
-                   for k in range(args.processes)]
-        for worker in workers:
-            worker.start()
-        for name in PHASES:
-            barrier.wait()
-            before = cpu_seconds(pid)
-            barrier.wait()
-            spent = cpu_seconds(pid) - before
-            results[name] = {"etcd_cpu_s": spent, "ms_per_client": 1000 * spent / n}
-            rows.append([name, f"{spent:.2f} s", f"{1000 * spent / n:.3f}"])
-        before = cpu_seconds(pid)
-        time.sleep(3.0)
-        idle = (cpu_seconds(pid) - before) / 3.0
-        done.set()
-        for worker in workers:
-            worker.join(60)
+    routes = args.routes.split(",")
+    results = {route: run_route(route, per, args.processes) for route in routes}
+    header, rows = ["piece of a start"], []
+    for route in routes:
+        header += [f"etcd CPU, {route}", "ms per client"]
+        header += ["proxy CPU", "ms per client"] if route == "proxy" else []
+    for name in PHASES:
+        row = [name]
+        for route in routes:
+            for who, used in results[route]["pieces"][name].items():
+                row += [f"{used:.2f} s", f"{1000 * used / n:.3f}"]
+        rows.append(row)
+    total = ["all pieces"]
+    for route in routes:
+        for who in results[route]["idle_cpu_s_per_s"]:
+            used = sum(piece[who] for piece in results[route]["pieces"].values())
+            total += [f"{used:.2f} s", f"{1000 * used / n:.3f}"]
     env = c.env_info()
+    idle = ", ".join(f"{who} ({route}) {rate:.3f}" for route in routes
+                     for who, rate in results[route]["idle_cpu_s_per_s"].items())
     text = (f"etcd_start_costs: {n} etcd clients in {args.processes} processes, each piece "
-            f"done by all at once; etcd CPU includes 1 s of settling per piece "
-            f"(idle {idle:.3f} s/s)\n{env['date_utc']} UTC, {env['cores']} cores, "
-            f"etcd {env['etcd']}\n"
-            + c.table(["piece of a start", "etcd CPU", "ms per client"], rows))
+            f"done by all at once; CPU includes 1 s of settling per piece (idle s/s: {idle})"
+            f"\n{env['date_utc']} UTC, {env['cores']} cores, etcd {env['etcd']}\n"
+            + c.table(header, rows + [total]))
     print(text)
     saved = c.save("etcd_start_costs", {"args": vars(args), "env": env, "clients": n,
-                                        "idle_etcd_cpu_s_per_s": idle, "results": results}, text)
+                                        "routes": results}, text)
     print(f"\nwritten: {saved}")
 
 
