@@ -16,6 +16,10 @@ barriers:
   watch (same stream) the same again on that stream: a read and a watch, no stream
   keep-alive stream  the first refresh: the client's long-lived LeaseKeepAlive stream
 
+Then one lease per client is kept alive (TTL 5 s, the agent's default) for 10 s, on
+one client per process: the load between rounds, in CPU seconds per second, and the
+leases lost.
+
 Each route runs in turn on a fresh etcd: `direct` (each client to etcd) and `proxy`
 (each client to one `etcd grpc-proxy` in front of it, elastic_runner/etcd/proxy.py;
 the proxy's own CPU is reported beside etcd's).
@@ -43,6 +47,7 @@ import common as c  # noqa: E402
 
 from elastic_runner.config import EtcdConfig  # noqa: E402
 from elastic_runner.etcd.client import EtcdClient  # noqa: E402
+from elastic_runner.etcd.lease import KeptLease  # noqa: E402
 from elastic_runner.etcd.proxy import EtcdGrpcProxy  # noqa: E402
 from elastic_runner.etcd.server import EmbeddedEtcd  # noqa: E402
 from elastic_runner.etcd.values import Put, key_missing  # noqa: E402
@@ -50,6 +55,8 @@ from elastic_runner.etcd.values import Put, key_missing  # noqa: E402
 PHASES = ("connect + get", "lease grant", "txn under lease", "watch (stream)",
           "watch (same stream)", "keep-alive stream")
 PREFIX = "/etcd-start-costs/"
+KEEPALIVE_TTL_S = 5  # elastic-run's default --lease-ttl: a refresh every 1.7 s
+KEEPALIVE_WINDOW_S = 10.0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -85,7 +92,7 @@ class Client:
             self.etcd.refresh_lease(self.lease, 30.0)
 
 
-def process_main(endpoint: str, index: int, count: int, barrier, done) -> None:
+def process_main(endpoint: str, index: int, count: int, barrier, done, lost) -> None:
     clients = [Client(endpoint, f"p{index}c{i}") for i in range(count)]
     for number in range(len(PHASES)):
         barrier.wait()
@@ -96,13 +103,23 @@ def process_main(endpoint: str, index: int, count: int, barrier, done) -> None:
             thread.join()
         time.sleep(1.0)  # streams settle; a watch's sync runs on etcd's 100 ms loop
         barrier.wait()
+    barrier.wait()  # after the idle window: a lease per client kept alive, as an agent does
+    # On one client per process, as rendezvous_scale's agents share one: 1,024 clients
+    # each refreshing on its own channel starve 2 cores (909-966 of 1,024 leases lost
+    # in 10 s, with the keep-alive code before 2026-12-04's change and after it).
+    kept = [KeptLease(clients[0].etcd, KEEPALIVE_TTL_S) for _ in clients]
+    barrier.wait()
     done.wait()
+    lost.put(sum(lease.lost.is_set() for lease in kept))
+    for lease in kept:
+        lease.stop()
 
 
 def measure(endpoint: str, pids: dict[str, int], per: int, processes: int) -> dict:
-    """Every piece's CPU for each process in `pids`, then their idle rate."""
-    barrier, done = mp.Barrier(processes + 1), mp.Event()
-    workers = [mp.Process(target=process_main, args=(endpoint, k, per, barrier, done))
+    """Every piece's CPU for each process in `pids`, their idle rate, then their rate
+    while every client keeps a lease alive (the load between rounds)."""
+    barrier, done, lost = mp.Barrier(processes + 1), mp.Event(), mp.Queue()
+    workers = [mp.Process(target=process_main, args=(endpoint, k, per, barrier, done, lost))
                for k in range(processes)]
     for worker in workers:
         worker.start()
@@ -115,10 +132,19 @@ def measure(endpoint: str, pids: dict[str, int], per: int, processes: int) -> di
     before = {who: cpu_seconds(pid) for who, pid in pids.items()}
     time.sleep(3.0)
     idle = {who: (cpu_seconds(pid) - before[who]) / 3.0 for who, pid in pids.items()}
+    barrier.wait()
+    barrier.wait()
+    time.sleep(2.0)  # every client's keep-alive stream is open
+    before = {who: cpu_seconds(pid) for who, pid in pids.items()}
+    time.sleep(KEEPALIVE_WINDOW_S)
+    kept = {who: (cpu_seconds(pid) - before[who]) / KEEPALIVE_WINDOW_S
+            for who, pid in pids.items()}
     done.set()
+    leases_lost = sum(lost.get(timeout=60) for _ in workers)
     for worker in workers:
         worker.join(60)
-    return {"pieces": spent, "idle_cpu_s_per_s": idle}
+    return {"pieces": spent, "idle_cpu_s_per_s": idle, "keepalive_cpu_s_per_s": kept,
+            "leases_lost": leases_lost}
 
 
 def run_route(route: str, per: int, processes: int) -> dict:
@@ -158,10 +184,16 @@ def main() -> None:
     env = c.env_info()
     idle = ", ".join(f"{who} ({route}) {rate:.3f}" for route in routes
                      for who, rate in results[route]["idle_cpu_s_per_s"].items())
+    kept = "; ".join(
+        ", ".join(f"{who} ({route}) {rate:.3f} s/s" for who, rate in
+                  results[route]["keepalive_cpu_s_per_s"].items())
+        + f", {results[route]['leases_lost']} lost" for route in routes)
     text = (f"etcd_start_costs: {n} etcd clients in {args.processes} processes, each piece "
             f"done by all at once; CPU includes 1 s of settling per piece (idle s/s: {idle})"
             f"\n{env['date_utc']} UTC, {env['cores']} cores, etcd {env['etcd']}\n"
-            + c.table(header, rows + [total]))
+            + c.table(header, rows + [total])
+            + f"\nthen {n} leases kept alive (TTL {KEEPALIVE_TTL_S} s, one client per process) "
+            f"for {KEEPALIVE_WINDOW_S:.0f} s: {kept}")
     print(text)
     saved = c.save("etcd_start_costs", {"args": vars(args), "env": env, "clients": n,
                                         "routes": results}, text)
