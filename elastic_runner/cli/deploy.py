@@ -18,6 +18,8 @@ Choices, written down:
   or a document).
 - Flags the deployment sets per pod/node (--node-id, --master-addr, --standalone)
   are refused; --rdzv-endpoints means "use my etcd" (no etcd objects rendered).
+- --grpc-proxies N (kubernetes) puts N etcd gRPC proxies between the pods and etcd
+  (ours or --rdzv-endpoints); the pods are pointed at the proxies' Service.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from elastic_runner.errors import ConfigError
 KINDS = ("kubernetes", "slurm")
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 ETCD_MEMBERS = 3
+PROXY_PORT = 23790  # etcd grpc-proxy's own default
 SHUTDOWN_MARGIN_S = 10  # process exits and the lease revoke's round trip, beyond --etcd-timeout
 SLURM_MIN_SIGNAL_S = 60
 YAML_WIDTH = 2**31 - 1  # PyYAML folds lines longer than this
@@ -93,6 +96,9 @@ def deploy_parser(kind: str) -> argparse.ArgumentParser:
     group.add_argument("--memory", help="memory request and limit per pod, e.g. 8Gi (kubernetes)")
     group.add_argument("--partition", help="Slurm partition")
     group.add_argument("--time", help="Slurm time limit, e.g. 24:00:00")
+    group.add_argument("--grpc-proxies", type=int, default=0, metavar="N",
+                       help="run N etcd gRPC proxies between the nodes and etcd, for hundreds "
+                            "of nodes (kubernetes; README 'Deploying')")
     return parser
 
 
@@ -173,9 +179,22 @@ def check_args(kind: str, args: argparse.Namespace, min_nodes: int) -> None:
     for flag, value in (("--partition", args.partition), ("--time", args.time)):
         if kind == "kubernetes" and value:
             raise ConfigError(f"deploy kubernetes: {flag} is for slurm only")
+    check_proxies(kind, args)
     if not args.dryrun and not args.output:
         raise ConfigError(f"deploy {kind}: give --output DIR to write the files, or --dryrun to print them")
     check_names(kind, args)
+
+
+def check_proxies(kind: str, args: argparse.Namespace) -> None:
+    if not args.grpc_proxies:
+        return
+    if kind == "slurm":
+        raise ConfigError("deploy slurm: --grpc-proxies is for kubernetes only")
+    if args.grpc_proxies < 0:
+        raise ConfigError(f"deploy kubernetes: --grpc-proxies {args.grpc_proxies}: need 0 or more")
+    if any(e.strip().startswith("https://") for e in (args.rdzv_endpoints or "").split(",")):
+        raise ConfigError("deploy kubernetes: --grpc-proxies with a TLS etcd is not rendered "
+                          "(the proxies would need its certificates); run them yourself")
 
 
 def check_names(kind: str, args: argparse.Namespace) -> None:
@@ -274,6 +293,37 @@ def etcd_objects(spec: DeploySpec) -> list[dict]:
     return [headless, client, pdb, statefulset]
 
 
+def proxy_objects(spec: DeploySpec) -> list[dict]:
+    """Stateless `etcd grpc-proxy` pods behind one Service (README "Deploying"): they
+    merge the nodes' watches and keep-alives, so etcd serves a few proxies instead of
+    every node. A CPU of their own each: a starved proxy lets many leases lapse at once."""
+    upstream = ",".join(url.split("://", 1)[-1] for url in spec.endpoints or etcd_urls(2379))
+    selector = {"app.kubernetes.io/name": "etcd-proxy"}
+    service = {"apiVersion": "v1", "kind": "Service",
+               "metadata": metadata(spec, "etcd-proxy", "etcd-proxy"),
+               "spec": {"selector": selector, "ports": [{"name": "client", "port": PROXY_PORT}]}}
+    container = {
+        "name": "etcd-proxy", "image": spec.args.etcd_image, "command": ["/usr/local/bin/etcd"],
+        "args": ["grpc-proxy", "start", f"--endpoints={kube_literal(upstream)}",
+                 f"--listen-addr=0.0.0.0:{PROXY_PORT}",
+                 f"--advertise-client-url=$(POD_IP):{PROXY_PORT}"],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "ports": [{"name": "client", "containerPort": PROXY_PORT}],
+        "readinessProbe": {"tcpSocket": {"port": PROXY_PORT}, "periodSeconds": 5},
+        "resources": {"requests": {"cpu": "1", "memory": "256Mi"}},
+    }
+    spread = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": dict(selector)},
+                                           "topologyKey": "kubernetes.io/hostname"}}]}}
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": metadata(spec, "etcd-proxy", "etcd-proxy"),
+        "spec": {"replicas": spec.args.grpc_proxies, "selector": {"matchLabels": selector},
+                 "template": {"metadata": {"labels": dict(selector)},
+                              "spec": {"containers": [container], "affinity": spread}}}}
+    return [service, deployment]
+
+
 def launcher_args(spec: DeploySpec, endpoints: str, run_id: str, per_node: list[str]) -> list[str]:
     """The agent's argv in a pod; user values escaped for Kubernetes' $(VAR) expansion."""
     return ["--min-nodes", str(spec.min_nodes), "--max-nodes", str(spec.max_nodes),
@@ -296,7 +346,8 @@ def train_resources(spec: DeploySpec) -> dict:
 
 def train_deployment(spec: DeploySpec) -> dict:
     """Pods are interchangeable nodes: scale with `kubectl scale`, ranks come from etcd."""
-    endpoints = ",".join(spec.endpoints or etcd_urls(2379))
+    endpoints = (f"http://etcd-proxy:{PROXY_PORT}" if spec.args.grpc_proxies
+                 else ",".join(spec.endpoints or etcd_urls(2379)))
     per_node = ["--node-id", "$(POD_NAME)", "--master-addr", "$(POD_IP)"]
     container: dict[str, Any] = {
         "name": "elastic-run", "image": spec.image, "command": ["elastic-run"],
@@ -346,6 +397,8 @@ def kubernetes_files(spec: DeploySpec) -> dict[str, str]:
     files = {}
     if not spec.endpoints:
         files["etcd.yaml"] = yaml_documents(etcd_objects(spec), spec)
+    if spec.args.grpc_proxies:
+        files["etcd-proxy.yaml"] = yaml_documents(proxy_objects(spec), spec)
     files["train.yaml"] = yaml_documents([train_deployment(spec)], spec)
     kustomization: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1",
                                      "kind": "Kustomization", "resources": list(files)}
@@ -355,7 +408,8 @@ def kubernetes_files(spec: DeploySpec) -> dict[str, str]:
 
 
 def kubernetes_stream(spec: DeploySpec) -> str:
-    objects = ([] if spec.endpoints else etcd_objects(spec)) + [train_deployment(spec)]
+    objects = ([] if spec.endpoints else etcd_objects(spec)) \
+        + (proxy_objects(spec) if spec.args.grpc_proxies else []) + [train_deployment(spec)]
     return yaml_documents(objects, spec)
 
 

@@ -40,6 +40,9 @@ CASES = {
     "kubernetes-external-etcd.yaml": "kubernetes --dryrun --nnodes 1:3 --namespace ml --cpus 2 "
                                      "--memory 4Gi --rdzv-endpoints http://etcd-a:2379,http://etcd-b:2379 "
                                      "--notice-deadline 60 --max-restarts 5 -v -m mypkg.train --epochs yes",
+    "kubernetes-proxy.yaml": "kubernetes --dryrun --min-nodes 64 --max-nodes 512 "
+                             "--nproc-per-node 8 --gpus-per-node 8 --grpc-proxies 3 --run-id big "
+                             "--image reg.example/train:1 train.py",
     "slurm-gpu.sbatch": "slurm --dryrun --min-nodes 2 --max-nodes 4 --nproc-per-node 8 "
                         "--gpus-per-node 8 --partition gpu --time 24:00:00 train.py --lr '0.1 x'",
     "slurm-cpu.sbatch": "slurm --dryrun --min-nodes 1 --max-nodes 2 --run-id nightly "
@@ -293,6 +296,10 @@ def test_output_writes_files_and_nothing_else(tmp_path, capsys):
     ("kubernetes --dryrun --time 1:00:00 train.py", "for slurm only"),
     ("slurm --dryrun --image x train.py", "for kubernetes only"),
     ("slurm --dryrun --min-nodes 2 --replicas 1 train.py", "cannot grow"),
+    ("slurm --dryrun --grpc-proxies 2 train.py", "--grpc-proxies is for kubernetes only"),
+    ("kubernetes --dryrun --grpc-proxies -1 train.py", "need 0 or more"),
+    ("kubernetes --dryrun --grpc-proxies 2 --rdzv-endpoints https://etcd:2379 train.py",
+     "TLS etcd is not rendered"),
     ("slurm --dryrun", "required: entrypoint"),
 ])
 def test_bad_flags_are_one_line_config_errors(args, message, capsys):
@@ -301,6 +308,29 @@ def test_bad_flags_are_one_line_config_errors(args, message, capsys):
     assert "\n" not in str(raised.value)
     assert cli.main(["deploy", *shlex.split(args)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_grpc_proxies_sit_between_the_nodes_and_etcd(tmp_path, capsys):
+    """README "Deploying": the nodes reach etcd through the proxies' Service only, and the
+    proxies reach the etcd this render uses (its own members, or --rdzv-endpoints)."""
+    objects = objects_of(render("kubernetes --dryrun --grpc-proxies 2 train.py", capsys))
+    proxy, train = [o for o in objects if o["kind"] == "Deployment"]
+    assert proxy["metadata"]["name"] == "etcd-proxy" and proxy["spec"]["replicas"] == 2
+    args = proxy["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["grpc-proxy", "start"]
+    assert "--endpoints=etcd-0.etcd:2379,etcd-1.etcd:2379,etcd-2.etcd:2379" in args
+    launcher = train["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert launcher[launcher.index("--rdzv-endpoints") + 1] == "http://etcd-proxy:23790"
+    assert {"Service", "StatefulSet"} <= {o["kind"] for o in objects}
+    external = objects_of(render("kubernetes --dryrun --grpc-proxies 1 --rdzv-endpoints "
+                                 "http://etcd-a:2379,http://etcd-b:2379 train.py", capsys))
+    assert "StatefulSet" not in {o["kind"] for o in external}  # their etcd, not ours
+    proxy_args = deployment_of(external)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--endpoints=etcd-a:2379,etcd-b:2379" in proxy_args
+    out = tmp_path / "out"
+    assert deploy.main(["kubernetes", "--output", str(out), "--grpc-proxies", "2", "train.py"],
+                       {}) == 0
+    assert kustomization(out)["resources"] == ["etcd.yaml", "etcd-proxy.yaml", "train.yaml"]
 
 
 def test_environment_does_not_change_the_render(capsys):
