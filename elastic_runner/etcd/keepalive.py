@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 _END = object()  # ends the request stream
@@ -114,7 +115,7 @@ class _Stream:
         self.owner = owner
         self._lock = threading.Lock()
         self._waiting: dict[int, queue.SimpleQueue] = {}
-        self._unclaimed: dict[int, Any] = {}
+        self._unclaimed: dict[int, tuple[Any, float]] = {}  # lease -> (answer, when it came)
         self._ended: BaseException | None = None
         # Timed-out asks since the stream last answered anything: an answer about any
         # lease shows the stream alive, however late the one a lease waits for is.
@@ -145,7 +146,7 @@ class _Stream:
             self.misses = 0
             waiter = self._waiting.get(answer.ID)
             if waiter is None:
-                self._unclaimed[answer.ID] = answer
+                self._unclaimed[answer.ID] = (answer, time.monotonic())
             else:
                 waiter.put(answer)
 
@@ -157,8 +158,8 @@ class _Stream:
 
     def ask(self, request: Any, lease_id: int, deadline_s: float) -> int | None:
         """The lease's TTL from the answer to this request; failing that within the
-        deadline, from a late answer to an earlier one (kept when its ask had given up,
-        at most an interval old); else None. A fresh answer is preferred, so a lease
+        deadline, from a late answer to an earlier one (kept when its ask had given up),
+        less the time since it came; else None. A fresh answer is preferred, so a lease
         lost since the kept answer is seen at once wherever answers are prompt."""
         waiter: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
@@ -170,11 +171,11 @@ class _Stream:
         try:
             answer = waiter.get(timeout=max(0.0, deadline_s))
         except queue.Empty:
-            if kept is not None:
-                return kept.TTL
-            with self._lock:
-                self.misses += 1
-            return None
+            ttl = _still_valid(*kept) if kept is not None else None
+            if ttl is None:
+                with self._lock:
+                    self.misses += 1
+            return ttl
         finally:
             with self._lock:
                 self._waiting.pop(lease_id, None)
@@ -190,3 +191,13 @@ class _Stream:
                 cancel()
             except Exception:  # noqa: BLE001 - closing a dead stream must not fail
                 pass
+
+
+def _still_valid(answer: Any, came_at: float) -> int | None:
+    """A kept answer's TTL less its age: what etcd then promised is left of it. None
+    once that is spent (after a frozen process, say): the lease may be gone since, and
+    an old answer must not pass for a refresh. A lease said to be gone stays gone."""
+    if answer.TTL <= 0:
+        return answer.TTL
+    left = answer.TTL - (time.monotonic() - came_at)
+    return max(1, int(left)) if left > 0 else None

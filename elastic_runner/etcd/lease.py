@@ -57,7 +57,8 @@ class KeptLease:
                 pause = min(interval, 0.05 * 2 ** (failures - 1))
                 continue
             if remaining <= 0:
-                self._mark_lost(f"etcd answered the keep-alive with TTL {remaining}")
+                if not self._stop.is_set():  # not our own revoke, answered mid-refresh
+                    self._mark_lost(f"etcd answered the keep-alive with TTL {remaining}")
                 return
             self._last_refresh = time.monotonic()
             pause, failures = interval, 0

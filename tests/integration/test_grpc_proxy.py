@@ -93,3 +93,4 @@ def test_leases_fail_over_to_the_second_proxy_when_the_first_dies(etcd):
                 lease.stop()
             client.close()
             direct.close()
+

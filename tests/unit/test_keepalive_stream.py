@@ -110,7 +110,7 @@ def test_a_late_answer_is_taken_by_the_next_refresh_without_a_new_stream():
     for _ in range(4):
         got.append(keepalive.refresh(7, 0.2, owner))
         time.sleep(0.3)
-    assert got == [None, 30, 30, 30]
+    assert got == [None, 29, 29, 29]  # 30 less the ~0.3 s the kept answer waited
     assert len(server.opened) == 1
     keepalive.close()
 
@@ -129,12 +129,12 @@ def test_a_prompt_answer_is_preferred_to_a_kept_one():
 
 
 def test_leases_sharing_a_stream_do_not_wait_for_one_another():
-    """Lease 1 is never answered and waits out its 2 s; lease 2, asked meanwhile on
+    """Lease 1 is never answered and waits out its 1 s; lease 2, asked meanwhile on
     the same stream, gets its answer at once."""
     server, owner = FakeServer(), object()
     server.silent = {1}
     keepalive = stream(server)
-    first = threading.Thread(target=keepalive.refresh, args=(1, 2.0, owner))
+    first = threading.Thread(target=keepalive.refresh, args=(1, 1.0, owner))
     first.start()
     time.sleep(0.1)
     started = time.monotonic()
@@ -166,3 +166,32 @@ def test_the_one_shot_waits_for_its_answer_and_says_why_a_stream_ended():
         return iter(())
     with pytest.raises(StreamEnded):
         KeepAliveStream(ended, lambda lease_id: lease_id).one_shot(7, 1.0, owner)
+
+
+def test_a_kept_answer_counts_its_age_and_an_old_one_is_not_taken():
+    """A kept answer stands for what is left of its TTL; after a freeze longer than
+    that it is no refresh at all (the lease may be gone)."""
+    server, owner = FakeServer(), object()
+    keepalive = stream(server)
+    server.ttl, server.delay_s = 1, 0.3
+    assert keepalive.refresh(7, 0.1, owner) is None
+    time.sleep(0.4)  # the TTL-1 answer came and is kept
+    server.silent = {7}
+    assert keepalive.refresh(7, 0.1, owner) == 1  # ~0.5 s of it left: still a refresh
+    server.silent = set()
+    assert keepalive.refresh(7, 0.1, owner) is None
+    time.sleep(1.2)  # its answer came ~1.1 s ago: spent
+    server.silent = {7}
+    assert keepalive.refresh(7, 0.1, owner) is None
+    keepalive.close()
+
+
+def test_a_kept_answer_that_the_lease_is_gone_is_taken_whatever_its_age():
+    server, owner = FakeServer(), object()
+    keepalive = stream(server)
+    server.ttl, server.delay_s = -1, 0.3
+    assert keepalive.refresh(7, 0.1, owner) is None
+    time.sleep(1.2)
+    server.silent = {7}
+    assert keepalive.refresh(7, 0.1, owner) == -1
+    keepalive.close()
