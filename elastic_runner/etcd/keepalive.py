@@ -19,11 +19,12 @@ processes) keeps the lease alive on its own schedule and answers each request at
 its next refresh of that lease, up to a third of the TTL plus 0.5 s later
 (server/proxy/grpcproxy/lease.go: keepAliveLoop, replyToClient). So one answer
 missing within the deadline leaves the stream open; the answer that comes later is
-taken by the lease's next refresh (it is then at most one interval old, so a lost
-lease is seen one interval later) or skipped by another lease's. Only a second miss
-in a row gives the stream up. For the same reason the one-shot refresh keeps its request side open
-until it is answered: the proxy ends a stream whose client half-closed before it
-replies, which is what a library's one-request refresh does.
+kept for the lease's next refresh, which takes it if no fresher one comes, as what
+is left of its TTL (so a lost lease is seen at most one interval later). Only two
+misses with no answer of any kind between them give the stream up. The one-shot
+refresh keeps its request side open until it is answered: the proxy ends a stream
+whose client half-closed before it replies, which is what a library's one-request
+refresh does.
 
 No import of the etcd library here (client.py is the one module that has it): the
 client hands in how to open a stream and how to build a request.
