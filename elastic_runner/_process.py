@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from typing import Sequence
 
@@ -43,3 +44,15 @@ def bound_to_parent(argv: Sequence[str]) -> list[str]:
     if _SETPRIV:
         return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]
     return [sys.executable, "-I", "-c", _SHIM, str(os.getpid()), *argv]
+
+
+def stop_process(process: subprocess.Popen | None, timeout_s: float = 5.0) -> None:
+    """SIGTERM a server we started, by its PID; SIGKILL it if it has not gone in time."""
+    if not process or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)

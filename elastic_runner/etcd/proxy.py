@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_runner._process import bound_to_parent
+from elastic_runner._process import bound_to_parent, stop_process
 from elastic_runner.errors import EtcdUnavailable
 from elastic_runner.etcd.server import find_etcd_binary, free_port
 
@@ -80,14 +80,7 @@ class EtcdGrpcProxy:
                               f"{self.startup_deadline_s:g} s; see {self.log_path}")
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        if not self.process or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
+        stop_process(self.process, timeout_s)
 
     def __enter__(self) -> "EtcdGrpcProxy":
         return self.start()

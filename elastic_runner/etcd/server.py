@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastic_runner._process import bound_to_parent
+from elastic_runner._process import bound_to_parent, stop_process
 from elastic_runner.errors import EtcdBinaryNotFound, EtcdUnavailable
 
 INSTALL_HINT = (
@@ -172,14 +172,7 @@ class EmbeddedEtcd:
             self.process.wait(timeout=10)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        if not self.process or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
+        stop_process(self.process, timeout_s)
 
     def cleanup(self) -> None:
         self.stop()
