@@ -9,7 +9,7 @@ import pytest
 
 from elastic_runner.config import EtcdConfig
 from elastic_runner.etcd.client import EtcdClient
-from elastic_runner.etcd.server import EmbeddedEtcd
+from elastic_runner.etcd.server import EmbeddedEtcdCluster
 from tests.faults import at_step, kill_process, run_schedule, stop_etcd
 
 pytestmark = pytest.mark.e2e
@@ -56,16 +56,8 @@ def test_short_etcd_restart_does_not_disturb_training_a_long_outage_stops_then_r
 
 @pytest.fixture
 def etcd_cluster(tmp_path):
-    members = [EmbeddedEtcd(name=f"m{i}", data_dir=tmp_path / f"m{i}") for i in range(3)]
-    cluster = ",".join(f"{m.name}={m.peer_url}" for m in members)
-    for member in members:
-        member.initial_cluster = cluster
-        member.start(wait=False)
-    for member in members:
-        member.wait_healthy()
-    yield members
-    for member in members:
-        member.stop()
+    with EmbeddedEtcdCluster(3, data_parent=tmp_path) as cluster:
+        yield cluster.members
 
 
 def test_losing_the_etcd_leader_keeps_training(etcd_cluster, tmp_path):

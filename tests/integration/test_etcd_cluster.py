@@ -1,0 +1,59 @@
+"""EmbeddedEtcdCluster: three real members on loopback, as the leader-loss test and the
+rendezvous bench's --etcd-members use them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from elastic_runner.config import EtcdConfig
+from elastic_runner.errors import EtcdUnavailable
+from elastic_runner.etcd.client import EtcdClient
+from elastic_runner.etcd.server import EmbeddedEtcdCluster
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as handle:  # a zombie has exited too
+        return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_three_members_form_one_cluster_and_stop_by_pid():
+    with EmbeddedEtcdCluster(3) as cluster:
+        pids = [member.process.pid for member in cluster.members]
+        data_dirs = [member.data_dir for member in cluster.members]
+        assert len(set(cluster.endpoints)) == 3
+        clients = [EtcdClient(EtcdConfig((endpoint,), 5.0, 10.0))
+                   for endpoint in cluster.endpoints]
+        try:
+            clients[0].put("k", b"written-at-member-0")
+            # Linearizable reads at the other members see the write: one cluster, not three.
+            seen = [client.get("k").value for client in clients[1:]]
+            assert seen == [b"written-at-member-0"] * 2
+            leaders = {client.leader_endpoint() for client in clients}
+            assert len(leaders) == 1 and leaders <= set(cluster.endpoints)
+        finally:
+            for client in clients:
+                client.close()
+    assert not any(_alive(pid) for pid in pids)
+    assert not any(path.exists() for path in data_dirs)
+
+
+def test_a_member_that_cannot_start_stops_the_others(tmp_path):
+    cluster = EmbeddedEtcdCluster(3, data_parent=tmp_path)
+    cluster.members[2].extra_args = ("--no-such-flag",)
+    with pytest.raises(EtcdUnavailable, match="exited with code"):
+        cluster.start()
+    started = [member.process for member in cluster.members if member.process is not None]
+    assert len(started) == 3
+    assert all(process.poll() is not None for process in started)
+    assert (tmp_path / "m0").exists(), "a data directory the caller gave is the caller's"
+
+
+def test_a_cluster_needs_a_member():
+    with pytest.raises(ValueError, match="at least one member"):
+        EmbeddedEtcdCluster(0)
