@@ -28,18 +28,20 @@ from pathlib import Path
 WATCH_EVENTS = "etcd_debugging_mvcc_events_total"
 
 
-def scrape(endpoint: str) -> tuple[dict[str, float], float | None]:
-    """(requests by gRPC method, watch events sent) from one read of /metrics, so
-    both are taken at the same instant; events None where this etcd lacks the counter."""
-    text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=10).read().decode()
+def scrape(endpoints) -> tuple[dict[str, float], float | None]:
+    """(requests by gRPC method, watch events sent), summed over the members' /metrics
+    pages (each counts what it served itself), read back to back so both are taken at
+    about the same instant; events None where this etcd lacks the counter."""
     requests: dict[str, float] = {}
     events = None
-    for line in text.splitlines():
-        if line.startswith("grpc_server_msg_received_total{"):
-            method = re.search(r'grpc_method="([^"]+)"', line).group(1)
-            requests[method] = requests.get(method, 0) + float(line.rsplit(" ", 1)[1])
-        elif line.startswith(WATCH_EVENTS + " "):
-            events = float(line.rsplit(" ", 1)[1])
+    for endpoint in endpoints:
+        text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith("grpc_server_msg_received_total{"):
+                method = re.search(r'grpc_method="([^"]+)"', line).group(1)
+                requests[method] = requests.get(method, 0) + float(line.rsplit(" ", 1)[1])
+            elif line.startswith(WATCH_EVENTS + " "):
+                events = (events or 0.0) + float(line.rsplit(" ", 1)[1])
     return requests, events
 
 
@@ -136,16 +138,19 @@ def wait_agreed(agents, size, after_round, timeout):
     return None
 
 
-def _group_main(endpoint, run_id, names, max_nodes, settle, ttl, go, monitor, updates,
+def _group_main(endpoints, first_member, run_id, names, max_nodes, settle, ttl, go, monitor, updates,
                 commands) -> None:
     """One child process: its share of the simulated agents, as threads."""
     agents = {}
-    # One gRPC channel per process, shared by its agents (HTTP/2 multiplexes their
-    # calls and watch streams): a thousand channels' poller threads on two cores
-    # starved the lease keep-alives. Each agent keeps its own lease, watch and mirror.
-    client = new_client(endpoint)
-    for name in names:
-        agent = SimAgent(endpoint, run_id, name, max_nodes, settle, ttl, client)
+    # One gRPC channel per process and etcd member, shared by its agents (HTTP/2
+    # multiplexes their calls and watch streams): a thousand channels' poller threads
+    # on two cores starved the lease keep-alives. Each agent keeps its own lease,
+    # watch and mirror. Agents take the members in turn, as real agents' clients each
+    # pick one of the listed endpoints at random.
+    clients = [new_client(endpoint) for endpoint in endpoints]
+    for index, name in enumerate(names):
+        agent = SimAgent(endpoints[0], run_id, name, max_nodes, settle, ttl,
+                         clients[(first_member + index) % len(clients)])
         agent.on_plan = lambda plan, name=name: updates.put((name, plan[0], plan[1], plan[2]))
         agents[name] = agent
     def run(name, agent):
@@ -170,7 +175,8 @@ def _group_main(endpoint, run_id, names, max_nodes, settle, ttl, go, monitor, up
 class ProcessGroupAgents:
     """The parent's view: the newest plan each agent reported through a queue."""
 
-    def __init__(self, endpoint: str, run_id: str, n: int, processes: int, args, monitor: bool):
+    def __init__(self, endpoints: tuple[str, ...], run_id: str, n: int, processes: int, args,
+                 monitor: bool):
         import multiprocessing
 
         context = multiprocessing.get_context("spawn")  # no gRPC state inherited by fork
@@ -186,7 +192,7 @@ class ProcessGroupAgents:
             share = self.names[index::processes]
             parent_end, child_end = context.Pipe()
             child = context.Process(target=_group_main, daemon=True, args=(
-                endpoint, run_id, share, n, args.settle, args.lease_ttl, go, monitor,
+                endpoints, index, run_id, share, n, args.settle, args.lease_ttl, go, monitor,
                 self.updates, child_end))
             child.start()
             self.pipes.append(parent_end)
@@ -242,18 +248,21 @@ class ProcessGroupAgents:
 
 
 class Meter:
-    """etcd's request counters and the CPU time of the agents' and etcd's processes."""
+    """etcd's request counters and the CPU time of the agents' and etcd's processes;
+    with several etcd members, each member's CPU as well as their sum."""
 
-    def __init__(self, endpoint: str, agent_pids: list[int], etcd_pid: int | None,
+    def __init__(self, etcd_endpoints, agent_pids: list[int], etcd_pids: list[int],
                  proxy_pid: int | None = None):
-        self.endpoint, self.agent_pids, self.etcd_pid = endpoint, agent_pids, etcd_pid
-        self.proxy_pid = proxy_pid
+        self.etcd_endpoints, self.agent_pids = tuple(etcd_endpoints), agent_pids
+        self.etcd_pids, self.proxy_pid = list(etcd_pids), proxy_pid
 
-    def read(self) -> tuple[float, dict, float, float, float | None, float | None]:
-        requests, events = scrape(self.endpoint)
-        return (time.time(), requests, cpu_seconds(self.agent_pids),
-                cpu_seconds([self.etcd_pid] if self.etcd_pid else []), events,
-                cpu_seconds([self.proxy_pid]) if self.proxy_pid else None)
+    def read(self) -> tuple:
+        """(time, requests, agents' CPU, etcd's CPU, watch events, proxy CPU or None,
+        each member's CPU)."""
+        requests, events = scrape(self.etcd_endpoints)
+        by_member = tuple(cpu_seconds([pid]) for pid in self.etcd_pids)
+        return (time.time(), requests, cpu_seconds(self.agent_pids), sum(by_member), events,
+                cpu_seconds([self.proxy_pid]) if self.proxy_pid else None, by_member)
 
     @staticmethod
     def phase(name: str, before, after, n: int, rounds: int) -> dict:
@@ -261,7 +270,9 @@ class Meter:
         per_round = max(rounds, 1)
         events = None if before[4] is None or after[4] is None else int(after[4] - before[4])
         proxy = {} if after[5] is None else {f"{name}_proxy_cpu_s": after[5] - before[5]}
-        return {**proxy,f"{name}_requests": requests,
+        members = {} if len(after[6]) < 2 else {f"{name}_etcd_cpu_s_by_member": [
+            round(b - a, 3) for a, b in zip(before[6], after[6])]}
+        return {**proxy, **members, f"{name}_requests": requests,
                 f"{name}_requests_total": sum(requests.values()),
                 f"{name}_requests_per_agent_round": sum(requests.values()) / n / per_round,
                 f"{name}_rounds": rounds,

@@ -17,6 +17,16 @@ def _proxy_cell(res: dict, event: str) -> str:
     return "" if proxy is None else f" (+{proxy:.2f} s proxy)"
 
 
+def _members_cell(res: dict, event: str) -> str:
+    """Each member's share where etcd is a cluster; * marks the leader at the start."""
+    by_member = res.get(f"{event}_etcd_cpu_s_by_member")
+    if not by_member:
+        return ""
+    leader = (res.get("etcd_leader_before_after") or [None])[0]
+    return " (" + " / ".join(f"{used:.2f}{'*' if index == leader else ''}"
+                             for index, used in enumerate(by_member)) + ")"
+
+
 def table_rows(sizes: list[int], er_res: dict, tr_res: dict) -> list[list[str]]:
     rows = []
     for event in ("start", "leave", "join"):
@@ -32,7 +42,8 @@ def table_rows(sizes: list[int], er_res: dict, tr_res: dict) -> list[list[str]]:
                 f"{event}, N={n}", c.fmt(e.get(f"{event}_s"), "s", 2),
                 _num(e.get(f"{event}_rounds"), "d"),
                 _num(e.get(f"{event}_agent_cpu_ms_per_agent"), ".0f", " ms"),
-                _num(e.get(f"{event}_etcd_cpu_s"), ".2f", " s") + _proxy_cell(e, event),
+                _num(e.get(f"{event}_etcd_cpu_s"), ".2f", " s") + _proxy_cell(e, event)
+                + _members_cell(e, event),
                 f"{per_round:.1f}" if per_round is not None else
                 f"{e.get(f'{event}_requests_total', 0)} total",
                 "-" if events is None else
@@ -90,6 +101,10 @@ def report(args, sizes, er_res, tr_res, info, started) -> str:
            "by N " + ", ".join(f"{n}: {er_res[n]['lease_ttl']}s" for n in sizes))
     route = ("; elastic-run's agents reach etcd through one etcd grpc-proxy (etcd CPU is "
              "etcd's alone; the proxy's in brackets)" if args.grpc_proxy else "")
+    if getattr(args, "etcd_members", 1) > 1:
+        route += (f"; etcd is a cluster of {args.etcd_members} members, the agents spread over "
+                  "them in turn (etcd CPU: all members together, each member's in brackets, "
+                  "* the leader)")
     return (f"rendezvous_scale: simulated agents as threads {spread}, loopback{route}; "
             f"elastic-run settle {args.settle}s, lease TTL {ttl}; torch defaults\n"
             f"{info['date_utc']} UTC, {info['cores']} cores, torch {info['torch']}, etcd {info['etcd']}\n\n"

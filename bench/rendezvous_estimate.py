@@ -15,6 +15,9 @@ the measured rounds at the largest N spent beyond their writes, divided by N.
 
     .venv/bin/python bench/rendezvous_estimate.py [--json bench/latest/rendezvous_scale.json]
 
+The last line checks the estimate's own N=1,024 row against a real 3-member cluster
+where latest/rendezvous_scale-3members.json exists (rendezvous_scale.py --etcd-members 3).
+
 Assumptions, printed with the table: every member of the cluster applies every write
 (raft), requests and watch streams are spread evenly over the 3 members, 3 deputies,
 node ids of ~8 bytes; "distinct addresses" gives every node its own IPv4 address (the
@@ -118,6 +121,21 @@ def estimate(n: int, write_s: float, agent_s: float, bytes_per_member: float,
             f"{work_ms + rebuild_ms * (n / 1024 - 1):.1f} ms"]
 
 
+def cluster_check(path: Path, predicted: str) -> str:
+    """The estimate's own N row against a measured 3-member cluster, where one was run
+    (rendezvous_scale.py --etcd-members 3): the check on its per-member assumption."""
+    if not path.is_file():
+        return f"\n(no {path.name}: the per-member split is not checked against a cluster)"
+    data = json.loads(path.read_text())
+    largest = data["elastic_run"][max(data["elastic_run"], key=int)]
+    busiest = ", ".join(
+        f"{phase} {max(largest[f'{phase}_etcd_cpu_s_by_member']):.2f} s"
+        for phase in ("leave", "join") if largest.get(f"{phase}_etcd_cpu_s_by_member"))
+    return (f"\ncheck: a real {MEMBERS}-member cluster at N={largest['n']:,} ({path.name}, "
+            f"{data['env']['date_utc']} UTC): busiest member {busiest}; the estimate's "
+            f"N={largest['n']:,} row: {predicted} per member")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=str(Path(__file__).parent / "latest" /
@@ -146,6 +164,8 @@ def main() -> None:
     print(c.table(["one leave or join round", "etcd requests", "watch events",
                    "plan (same / distinct addrs)", "bytes fanned out (same / distinct)",
                    "etcd CPU per member", "agent CPU per agent"], rows))
+    print(cluster_check(Path(args.json).with_name("rendezvous_scale-3members.json"),
+                        rows[0][5]))
 
 
 if __name__ == "__main__":

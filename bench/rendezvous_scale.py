@@ -31,6 +31,10 @@ With --grpc-proxy, elastic-run's agents reach etcd through one `etcd grpc-proxy`
 (elastic_runner/etcd/proxy.py), as a large fleet deploys it: the requests, watch
 events and etcd CPU are still etcd's own, and the proxy's CPU is reported beside them.
 
+With --etcd-members 3, etcd is a cluster of three members, as issue 17 sets its goals:
+each agent process holds a channel per member and its agents take the members in
+turn; etcd's CPU is all members together, each member's in brackets (* the leader).
+
 torch: each simulated agent is a DynamicRendezvousHandler (torch defaults:
 last call 30 s, close 30 s, keep-alive 5 s x 3) on a C10dRendezvousBackend with its
 own TCPStore client to one TCPStore server; `next_rendezvous()`. A leave is a
@@ -44,6 +48,8 @@ backend get_state/set_state calls (each one reads or writes the whole state).
     .venv/bin/python bench/rendezvous_scale.py --sizes 8,64 --no-torch --out rs-trial.json
     .venv/bin/python bench/rendezvous_scale.py --no-torch --grpc-proxy \
         --out bench/latest/rendezvous_scale-proxy.json
+    .venv/bin/python bench/rendezvous_scale.py --no-torch --etcd-members 3 \
+        --out bench/latest/rendezvous_scale-3members.json
 
 Without --out the results go to bench/results/ and bench/latest/rendezvous_scale.json;
 with it, only to that file (trial runs leave the published figures alone).
@@ -51,6 +57,7 @@ with it, only to that file (trial runs leave the published figures alone).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -83,6 +90,11 @@ def size_args(args, n: int) -> argparse.Namespace:
                                  "timeout": max(args.timeout, ELASTIC_WAIT_S_PER_AGENT * n)})
 
 
+def agent_endpoints(args) -> tuple[str, ...]:
+    """Where the simulated agents send their requests: the proxy, or etcd's members."""
+    return (args.proxy_endpoint,) if args.proxy_endpoint else args.etcd_endpoints
+
+
 def phase(res: dict, name: str, meter: Meter, before, got, after_round: int, n: int,
           endpoint: str, run_id: str) -> None:
     """One phase's counts, taken before the plan is read so that read is not counted."""
@@ -97,12 +109,12 @@ def phase(res: dict, name: str, meter: Meter, before, got, after_round: int, n: 
 def elastic_size(endpoint: str, n: int, churn: bool, args) -> dict:
     """Threads in this process, a client each; its CPU stands for the agents'."""
     run_id = f"scale-{n}-{os.getpid()}-{int(time.time())}"
-    agents_at = args.proxy_endpoint or endpoint
+    agents_at = agent_endpoints(args)
     t_build = time.time()
-    agents = [SimAgent(agents_at, run_id, f"s{i:04d}", n, args.settle, args.lease_ttl)
-              for i in range(n)]
+    agents = [SimAgent(agents_at[i % len(agents_at)], run_id, f"s{i:04d}", n, args.settle,
+                       args.lease_ttl) for i in range(n)]
     res = {"n": n, "clients_connect_s": time.time() - t_build}
-    meter = Meter(endpoint, [os.getpid()], args.etcd_pid, args.proxy_pid)
+    meter = Meter(args.etcd_endpoints, [os.getpid()], args.etcd_pids, args.proxy_pid)
     m0 = meter.read()
     go = time.time() + 0.5
     for a in agents:
@@ -120,7 +132,8 @@ def elastic_size(endpoint: str, n: int, churn: bool, args) -> dict:
         phase(res, "leave", meter, m2, got2, got[1], n - 1, endpoint, run_id)
         if got2:
             time.sleep(1.0)
-            newcomer = SimAgent(agents_at, run_id, "new0", n, args.settle, args.lease_ttl)
+            newcomer = SimAgent(agents_at[n % len(agents_at)], run_id, "new0", n, args.settle,
+                                args.lease_ttl)
             m4 = meter.read()
             threading.Thread(target=newcomer.run, args=(m4[0], True), daemon=True).start()
             rest.append(newcomer)
@@ -157,10 +170,10 @@ def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
     run_id = f"scale-{n}-{os.getpid()}-{int(time.time())}"
     processes = min(args.processes, n)
     res = {"n": n, "processes": processes}
-    agents_at = args.proxy_endpoint or endpoint  # the agents' way to etcd; counted at etcd
+    agents_at = agent_endpoints(args)  # the agents' ways to etcd; counted at etcd
     group = ProcessGroupAgents(agents_at, run_id, n, processes, args, True)
-    meter = Meter(endpoint, [child.pid for child in group.children], args.etcd_pid,
-                  args.proxy_pid)
+    meter = Meter(args.etcd_endpoints, [child.pid for child in group.children],
+                  args.etcd_pids, args.proxy_pid)
     try:
         spawned = meter.read()
         res["start_ready_before_go"] = group.wait_ready()
@@ -183,7 +196,8 @@ def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
             phase(res, "leave", meter, m2, got2, got[1], n - 1, endpoint, run_id)
             if got2:
                 time.sleep(2.0)
-                newcomer = SimAgent(agents_at, run_id, "new0", n, args.settle, args.lease_ttl)
+                newcomer = SimAgent(agents_at[n % len(agents_at)], run_id, "new0", n,
+                                    args.settle, args.lease_ttl)
                 newcomer.on_plan = lambda plan: group.updates.put(("new0", *plan))
                 m4 = meter.read()
                 threading.Thread(target=newcomer.run, args=(m4[0], True), daemon=True).start()
@@ -351,17 +365,51 @@ def parse_args():
                     help="elastic-run's agents reach etcd through one `etcd grpc-proxy` "
                          "(elastic_runner/etcd/proxy.py); etcd's figures stay etcd's, the proxy's CPU is "
                          "reported apart")
+    ap.add_argument("--etcd-members", type=int, default=1,
+                    help="a cluster of this many etcd members (3 in production); the agents "
+                         "take the members in turn, each member's CPU is reported")
     ap.add_argument("--out", type=Path, default=None,
                     help="write the JSON here only, not to bench/results and bench/latest")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.etcd_members < 1:
+        ap.error(f"--etcd-members {args.etcd_members}: give 1 or more (3 is etcd's usual cluster)")
+    if args.etcd_members > 1 and args.grpc_proxy:
+        ap.error("--grpc-proxy fronts one etcd member here; drop it or --etcd-members")
+    return args
+
+
+@contextlib.contextmanager
+def etcd_for_run(members: int):
+    """One embedded member, or a cluster. A cluster gets etcd's default heartbeat
+    (100 ms) and election timeout (1 s): the tests' 10 / 100 ms would let members
+    starved by a thousand agents on two cores call elections mid-round."""
+    from elastic_runner.etcd.server import EmbeddedEtcd, EmbeddedEtcdCluster
+    if members == 1:
+        with EmbeddedEtcd() as etcd:
+            yield [etcd]
+        return
+    with EmbeddedEtcdCluster(members, extra_args=(
+            "--heartbeat-interval", "100", "--election-timeout", "1000")) as cluster:
+        yield cluster.members
+
+
+def leader_index(endpoints: tuple[str, ...]) -> int | None:
+    from rdzv_agents import new_client
+    client = new_client(endpoints[0])
+    try:
+        leader = client.leader_endpoint()
+    finally:
+        client.close()
+    return endpoints.index(leader) if leader in endpoints else None
 
 
 def run_sizes(args, sizes: list[int]) -> tuple[dict, dict, list]:
-    from elastic_runner.etcd.server import EmbeddedEtcd
-
     er_res, tr_res, servers = {}, {}, []
-    with EmbeddedEtcd() as etcd, proxy_in_front(etcd.endpoint, args.grpc_proxy) as proxy:
-        args.etcd_pid = etcd.process.pid
+    with etcd_for_run(args.etcd_members) as members, \
+            proxy_in_front(members[0].endpoint, args.grpc_proxy) as proxy:
+        args.etcd_pids = [member.process.pid for member in members]
+        args.etcd_endpoints = tuple(member.endpoint for member in members)
+        etcd = members[0]
         args.proxy_endpoint = proxy.endpoint if proxy else None
         args.proxy_pid = proxy.process.pid if proxy else None
         for n in sizes:
@@ -369,8 +417,12 @@ def run_sizes(args, sizes: list[int]) -> tuple[dict, dict, list]:
             print(f"elastic-run N={n} (lease TTL {one.lease_ttl} s, wait {one.timeout:.0f} s) ...",
                   flush=True)
             measure = elastic_size_processes if args.processes else elastic_size
+            leaders = [leader_index(args.etcd_endpoints)]
             er_res[n] = {**measure(etcd.endpoint, n, True, one),
                          "lease_ttl": one.lease_ttl, "timeout_s": one.timeout}
+            if len(members) > 1:
+                er_res[n]["etcd_leader_before_after"] = leaders + [
+                    leader_index(args.etcd_endpoints)]
             print(f"  {er_res[n]}", flush=True)
     if not args.no_torch:
         for n in sizes:
