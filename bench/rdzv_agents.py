@@ -329,3 +329,43 @@ def proxy_in_front(etcd_endpoint: str, wanted: bool):
     from elastic_runner.etcd.proxy import EtcdGrpcProxy
     with EtcdGrpcProxy(etcd_endpoint) as proxy:
         yield proxy
+
+
+# A writer that keeps the disk busy the way an unpacking install does: 64 MB, fsync,
+# again, in place. etcd fsyncs its WAL on every write, so this is what reaches etcd.
+_DISK_HOG = """
+import os, sys
+block = os.urandom(1 << 20)
+with open(sys.argv[1], "wb") as out:
+    while True:
+        for _ in range(64):
+            out.write(block)
+        out.flush()
+        os.fsync(out.fileno())
+        out.seek(0)
+"""
+
+
+@contextlib.contextmanager
+def machine_load(spinners: int, disk: bool):
+    """`spinners` processes that spin on a core each, and with `disk` one that rewrites
+    a file with fsync, for as long as the block runs: the load a package install or a
+    neighbour's job puts on a shared machine, under which 1,024 agents once did not
+    agree at all (issue 17). Started bound to this process, stopped by PID."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from elastic_runner._process import bound_to_parent, stop_process
+    scratch = Path(tempfile.mkdtemp(prefix="rdzv-load-"))
+    commands = [[sys.executable, "-c", "while True: pass"]] * spinners
+    commands += [[sys.executable, "-c", _DISK_HOG, str(scratch / "disk-hog")]] if disk else []
+    hogs = [subprocess.Popen(bound_to_parent(command), stdin=subprocess.DEVNULL,
+                             start_new_session=True) for command in commands]
+    try:
+        yield [hog.pid for hog in hogs]
+    finally:
+        for hog in hogs:
+            stop_process(hog, 2.0)
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -101,6 +101,9 @@ def report(args, sizes, er_res, tr_res, info, started) -> str:
            "by N " + ", ".join(f"{n}: {er_res[n]['lease_ttl']}s" for n in sizes))
     route = ("; elastic-run's agents reach etcd through one etcd grpc-proxy (etcd CPU is "
              "etcd's alone; the proxy's in brackets)" if args.grpc_proxy else "")
+    if getattr(args, "cpu_hogs", 0) or getattr(args, "disk_hog", False):
+        route += (f"; alongside, {args.cpu_hogs} processes spinning on a core each"
+                  + (" and one rewriting 64 MB with fsync in a loop" if args.disk_hog else ""))
     if getattr(args, "etcd_members", 1) > 1:
         route += (f"; etcd is a cluster of {args.etcd_members} members, the agents spread over "
                   "them in turn (etcd CPU: all members together, each member's in brackets, "

@@ -70,8 +70,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c  # noqa: E402
 from rdzv_report import report  # noqa: E402
 from rdzv_agents import (  # noqa: E402
-    Meter, ProcessGroupAgents, SimAgent, delta, last_registration, proxy_in_front, stored_sizes,
-    wait_agreed,
+    Meter, ProcessGroupAgents, SimAgent, delta, last_registration, machine_load,
+    proxy_in_front, stored_sizes, wait_agreed,
 )
 
 os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no per-round MASTER_ADDR servers
@@ -368,11 +368,19 @@ def parse_args():
     ap.add_argument("--etcd-members", type=int, default=1,
                     help="a cluster of this many etcd members (3 in production); the agents "
                          "take the members in turn, each member's CPU is reported")
+    ap.add_argument("--cpu-hogs", type=int, default=0,
+                    help="this many processes spin on a core each while the sizes run: a "
+                         "loaded machine (issue 17: once no agreement at 1,024 under load)")
+    ap.add_argument("--disk-hog", action="store_true",
+                    help="one more process rewrites 64 MB with fsync in a loop (etcd fsyncs "
+                         "its log on every write)")
     ap.add_argument("--out", type=Path, default=None,
                     help="write the JSON here only, not to bench/results and bench/latest")
     args = ap.parse_args()
     if args.etcd_members < 1:
         ap.error(f"--etcd-members {args.etcd_members}: give 1 or more (3 is etcd's usual cluster)")
+    if args.cpu_hogs < 0:
+        ap.error(f"--cpu-hogs {args.cpu_hogs}: give 0 or more")
     if args.etcd_members > 1 and args.grpc_proxy:
         ap.error("--grpc-proxy fronts one etcd member here; drop it or --etcd-members")
     return args
@@ -404,7 +412,16 @@ def leader_index(endpoints: tuple[str, ...]) -> int | None:
 
 
 def run_sizes(args, sizes: list[int]) -> tuple[dict, dict, list]:
-    er_res, tr_res, servers = {}, {}, []
+    """Every size with elastic-run, then with torch; --cpu-hogs and --disk-hog load both
+    alike."""
+    with machine_load(args.cpu_hogs, args.disk_hog):
+        er_res = elastic_sizes(args, sizes)
+        tr_res, servers = ({}, []) if args.no_torch else torch_sizes(args, sizes)
+    return er_res, tr_res, servers
+
+
+def elastic_sizes(args, sizes: list[int]) -> dict:
+    er_res = {}
     with etcd_for_run(args.etcd_members) as members, \
             proxy_in_front(members[0].endpoint, args.grpc_proxy) as proxy:
         args.etcd_pids = [member.process.pid for member in members]
@@ -424,16 +441,22 @@ def run_sizes(args, sizes: list[int]) -> tuple[dict, dict, list]:
                 er_res[n]["etcd_leader_before_after"] = leaders + [
                     leader_index(args.etcd_endpoints)]
             print(f"  {er_res[n]}", flush=True)
-    if not args.no_torch:
-        for n in sizes:
-            if n > args.torch_max:
-                tr_res[n] = {"n": n, "skipped": f"above --torch-max {args.torch_max}"}
-                continue
-            print(f"torch N={n} ...", flush=True)
-            tr_res[n] = torch_size(n, True, args)
-            servers.append(tr_res[n].pop("_server"))
-            print(f"  {tr_res[n]}", flush=True)
-    return er_res, tr_res, servers
+    return er_res
+
+
+def torch_sizes(args, sizes: list[int]) -> tuple[dict, list]:
+    """torch's dynamic rendezvous at each size; its stores are returned so they outlive
+    the daemon threads that use them."""
+    tr_res, servers = {}, []
+    for n in sizes:
+        if n > args.torch_max:
+            tr_res[n] = {"n": n, "skipped": f"above --torch-max {args.torch_max}"}
+            continue
+        print(f"torch N={n} ...", flush=True)
+        tr_res[n] = torch_size(n, True, args)
+        servers.append(tr_res[n].pop("_server"))
+        print(f"  {tr_res[n]}", flush=True)
+    return tr_res, servers
 
 
 def main() -> None:
