@@ -292,13 +292,19 @@ def env_info() -> dict:
     return info
 
 
+def result_text(payload: dict) -> str:
+    """A result as JSON, with paths inside the repository (a trace, a script, --out)
+    relative to it: published results must not name the machine they came from."""
+    return json.dumps(payload, indent=2, default=str).replace(f"{ROOT}/", "")
+
+
 def save(name: str, payload: dict, table: str) -> Path:
     RESULTS.mkdir(exist_ok=True)
     LATEST.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     payload = {**payload, "table": table}
     path = RESULTS / f"{name}-{stamp}.json"
-    text = json.dumps(payload, indent=2, default=str)
+    text = result_text(payload)
     path.write_text(text)
     (LATEST / f"{name}.json").write_text(text)
     return path

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -470,7 +469,11 @@ def main() -> None:
     print("\n" + text)
     payload = {"args": vars(args), "env": info, "elastic_run": er_res, "torch": tr_res}
     if args.out:
-        args.out.write_text(json.dumps({**payload, "table": text}, indent=2, default=str))
+        out = args.out.resolve()
+        # Outside the repository only its name: a trial file may be copied into latest/.
+        payload["args"] = {**payload["args"], "out": str(out.relative_to(c.ROOT))
+                           if out.is_relative_to(c.ROOT) else out.name}
+        out.write_text(c.result_text({**payload, "table": text}))
         print(f"wrote {args.out}")
     else:
         path = c.save("rendezvous_scale", payload, text)
