@@ -4,6 +4,8 @@ rendezvous bench's --etcd-members use them."""
 from __future__ import annotations
 
 import os
+import re
+import urllib.request
 
 import pytest
 
@@ -41,6 +43,32 @@ def test_three_members_form_one_cluster_and_stop_by_pid():
                 client.close()
     assert not any(_alive(pid) for pid in pids)
     assert not any(path.exists() for path in data_dirs)
+
+
+def _ranges_served(endpoint: str) -> float:
+    text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("grpc_server_msg_received_total{")
+               and re.search(r'grpc_method="Range"', line))
+
+
+def test_clients_that_list_every_member_spread_over_them():
+    """What spreads a fleet's load over the cluster (bench: --etcd-members): each
+    client starts on one of the listed members, picked at random."""
+    with EmbeddedEtcdCluster(3) as cluster:
+        before = [_ranges_served(endpoint) for endpoint in cluster.endpoints]
+        clients = [EtcdClient(EtcdConfig(cluster.endpoints, 5.0, 10.0)) for _ in range(30)]
+        try:
+            for client in clients:
+                client.get("k")
+        finally:
+            for client in clients:
+                client.close()
+        served = [_ranges_served(endpoint) - was
+                  for endpoint, was in zip(cluster.endpoints, before)]
+    assert sum(served) >= 30  # one get each (a retried get would count twice)
+    # All 30 on one member has a chance of 3 / 3**30.
+    assert sum(1 for count in served if count) >= 2, served
 
 
 def test_a_member_that_cannot_start_stops_the_others(tmp_path):
