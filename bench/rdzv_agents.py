@@ -321,13 +321,14 @@ def stored_sizes(endpoint: str, run_id: str, number: int) -> tuple[int | None, i
 
 
 @contextlib.contextmanager
-def proxy_in_front(etcd_endpoint: str, wanted: bool):
-    """An etcd gRPC proxy for the agents to reach etcd through, when `wanted`."""
+def proxy_in_front(etcd_endpoints: tuple[str, ...], wanted: bool):
+    """An etcd gRPC proxy for the agents to reach etcd through, when `wanted`; it lists
+    every member, as a deployed proxy does."""
     if not wanted:
         yield None
         return
     from elastic_runner.etcd.proxy import EtcdGrpcProxy
-    with EtcdGrpcProxy(etcd_endpoint) as proxy:
+    with EtcdGrpcProxy(etcd_endpoints) as proxy:
         yield proxy
 
 

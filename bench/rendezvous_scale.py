@@ -380,8 +380,6 @@ def parse_args():
         ap.error(f"--etcd-members {args.etcd_members}: give 1 or more (3 is etcd's usual cluster)")
     if args.cpu_hogs < 0:
         ap.error(f"--cpu-hogs {args.cpu_hogs}: give 0 or more")
-    if args.etcd_members > 1 and args.grpc_proxy:
-        ap.error("--grpc-proxy fronts one etcd member here; drop it or --etcd-members")
     return args
 
 
@@ -422,7 +420,8 @@ def run_sizes(args, sizes: list[int]) -> tuple[dict, dict, list]:
 def elastic_sizes(args, sizes: list[int]) -> dict:
     er_res = {}
     with etcd_for_run(args.etcd_members) as members, \
-            proxy_in_front(members[0].endpoint, args.grpc_proxy) as proxy:
+            proxy_in_front(tuple(member.endpoint for member in members), args.grpc_proxy) \
+            as proxy:
         args.etcd_pids = [member.process.pid for member in members]
         args.etcd_endpoints = tuple(member.endpoint for member in members)
         etcd = members[0]

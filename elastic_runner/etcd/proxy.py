@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 from elastic_runner._process import bound_to_parent, stop_process
 from elastic_runner.errors import EtcdUnavailable
@@ -28,13 +29,16 @@ from elastic_runner.etcd.server import find_etcd_binary, free_port
 
 
 class EtcdGrpcProxy:
-    """One proxy process in front of `etcd_endpoint`, stopped by its PID."""
+    """One proxy process in front of etcd, stopped by its PID. `etcd_endpoints`: one
+    member's URL, or every member's (a sequence), as a proxy in production lists the
+    whole cluster and fails over between its members."""
 
-    def __init__(self, etcd_endpoint: str, binary: str | None = None,
+    def __init__(self, etcd_endpoints: str | Sequence[str], binary: str | None = None,
                  startup_deadline_s: float = 10.0):
         self.binary = find_etcd_binary(binary)
         self.port = free_port()
-        self.etcd_endpoint = etcd_endpoint
+        self.etcd_endpoints = ((etcd_endpoints,) if isinstance(etcd_endpoints, str)
+                               else tuple(etcd_endpoints))
         self.startup_deadline_s = startup_deadline_s
         self.data_dir = Path(tempfile.mkdtemp(prefix="elastic-run-grpc-proxy-"))
         self.process: subprocess.Popen | None = None
@@ -48,8 +52,8 @@ class EtcdGrpcProxy:
         return self.data_dir / "proxy.log"
 
     def command(self) -> list[str]:
-        target = self.etcd_endpoint.split("://", 1)[-1]
-        return [self.binary, "grpc-proxy", "start", f"--endpoints={target}",
+        targets = ",".join(url.split("://", 1)[-1] for url in self.etcd_endpoints)
+        return [self.binary, "grpc-proxy", "start", f"--endpoints={targets}",
                 f"--listen-addr=127.0.0.1:{self.port}",
                 f"--advertise-client-url=127.0.0.1:{self.port}",
                 f"--data-dir={self.data_dir / 'data'}"]

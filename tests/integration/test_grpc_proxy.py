@@ -14,6 +14,7 @@ from elastic_runner.config import EtcdConfig
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.proxy import EtcdGrpcProxy
+from elastic_runner.etcd.server import EmbeddedEtcdCluster
 from elastic_runner.rendezvous import protocol as p
 from tests.helpers.rdzv_nodes import Node, wait_for_agreement
 from tests.integration.test_rendezvous_deputies import crash
@@ -94,3 +95,33 @@ def test_leases_fail_over_to_the_second_proxy_when_the_first_dies(etcd):
             client.close()
             direct.close()
 
+
+
+def test_a_proxy_listing_the_cluster_outlives_the_etcd_leader():
+    """README "Deploying" starts each proxy with every member's address: the proxy, not
+    the agents, fails over when a member dies. Leases kept through it live on, and a
+    write through it lands, after the leader is killed."""
+    with EmbeddedEtcdCluster(3) as cluster, EtcdGrpcProxy(cluster.endpoints) as running:
+        via_proxy = client_at(running.endpoint)
+        leases = [KeptLease(via_proxy, ttl_s=3) for _ in range(3)]
+        try:
+            time.sleep(1.0)
+            asked = client_at(cluster.endpoints[0])  # through the proxy, a member list names it
+            leader = asked.leader_endpoint()
+            asked.close()
+            victim = next(m for m in cluster.members if m.endpoint == leader)
+            victim.kill()
+            time.sleep(6.0)  # two TTLs: a lease the proxy did not carry over is gone
+            assert [lease.lost.is_set() for lease in leases] == [False] * 3
+            via_proxy.put("after-the-leader", b"landed")
+            alive = next(m for m in cluster.members if m is not victim)
+            direct = client_at(alive.endpoint)
+            try:
+                assert direct.get("after-the-leader").value == b"landed"
+                assert all(direct.lease_remaining(lease.id) > 0 for lease in leases)
+            finally:
+                direct.close()
+        finally:
+            for lease in leases:
+                lease.stop()
+            via_proxy.close()
