@@ -138,8 +138,8 @@ def wait_agreed(agents, size, after_round, timeout):
     return None
 
 
-def _group_main(endpoints, first_member, run_id, names, max_nodes, settle, ttl, go, monitor, updates,
-                commands) -> None:
+def _group_main(endpoints, first_member, run_id, names, max_nodes, settle, ttl, go, monitor,
+                updates, commands) -> None:
     """One child process: its share of the simulated agents, as threads."""
     agents = {}
     # One gRPC channel per process and etcd member, shared by its agents (HTTP/2
