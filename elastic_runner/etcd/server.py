@@ -193,11 +193,11 @@ class EmbeddedEtcdCluster:
     by its PID."""
 
     def __init__(self, size: int = 3, data_parent: Path | None = None,
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), binary: str | None = None):
         if size < 1:
             raise ValueError(f"an etcd cluster needs at least one member, not {size}")
         self.members = [
-            EmbeddedEtcd(name=f"m{index}", extra_args=extra_args,
+            EmbeddedEtcd(binary=binary, name=f"m{index}", extra_args=extra_args,
                          data_dir=None if data_parent is None else data_parent / f"m{index}")
             for index in range(size)]
         cluster = ",".join(f"{member.name}={member.peer_url}" for member in self.members)

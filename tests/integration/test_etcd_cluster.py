@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import EtcdUnavailable
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.etcd.server import EmbeddedEtcdCluster
+from tests.conftest import available_etcd_binaries
 
 
 def _alive(pid: int) -> bool:
@@ -24,8 +26,10 @@ def _alive(pid: int) -> bool:
         return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_three_members_form_one_cluster_and_stop_by_pid():
-    with EmbeddedEtcdCluster(3) as cluster:
+@pytest.mark.parametrize("binary", available_etcd_binaries(),
+                         ids=lambda binary: "etcd-" + Path(binary).parent.name)
+def test_three_members_form_one_cluster_and_stop_by_pid(binary):
+    with EmbeddedEtcdCluster(3, binary=binary) as cluster:
         pids = [member.process.pid for member in cluster.members]
         data_dirs = [member.data_dir for member in cluster.members]
         assert len(set(cluster.endpoints)) == 3
