@@ -47,6 +47,6 @@ def test_no_tracked_file_names_a_machine_path():
 
 def test_the_pattern_tells_machine_paths_from_others():
     assert machine_paths('"out": "/tmp/k10-3.json"', "/srv/repo") == ["/tmp/k10-3.json"]
-    assert machine_paths("trace /work/main/bench/traces/x.csv", "/srv/repo") == ["/work/main"]
+    assert machine_paths("trace /home/alice/repo/bench/x.csv", "/srv/repo") == ["/home/alice"]
     assert machine_paths("see /srv/repo/bench/README.md", "/srv/repo") == ["/srv/repo"]
     assert machine_paths("https://example.com/home/page and deploy/tmp/x", "/srv/repo") == []
