@@ -314,19 +314,24 @@ class LastLook:
 
 
 def wait_without_looking(last: LastLook | None, number: int, joined: int, live: int,
-                         departures: int, now: float, rules: RoundRules) -> float | None:
+                         departures: int, now: float, rules: RoundRules,
+                         suspects: int = 0) -> float | None:
     """Seconds to wait on when nothing since `last` can close the round (None: look).
 
     While hundreds of nodes join, every join wakes every agent; re-reading all
     joiners each time made a round cost O(N^3) work in all. Counts rule most
     wake-ups out: the round can only close once the joiners reach the live nodes
     or --max-nodes, when a node leaves, when the minimum is first met (or
-    --max-workers may be reached), or when a timer runs out.
+    --max-workers may be reached), or when a timer runs out. `suspects`: live keys
+    of nodes an earlier round left out on suspicion, which no round waits for
+    (`suspect_left_out`); counted among the live nodes, they kept the joiners from
+    ever reaching them, and a round a newcomer opened just after a suspicion waited
+    for the drain timeout or the suspect's lease.
     """
     if last is None or last.number != number:
         return None
     left = last.recheck_at - now
-    if left <= 0 or departures != last.departures or joined >= live or \
+    if left <= 0 or departures != last.departures or joined >= live - suspects or \
             joined >= rules.max_nodes:
         return None
     if joined != last.joined and (not last.min_met or rules.max_workers):

@@ -391,8 +391,7 @@ class EtcdRendezvous(WhileRunning):
         if p.may_close(inputs):
             closable_since = (now if closer == self.node_id
                               else self._closable_since.setdefault(number, now))
-            backup = d.closer_wait(self.node_id, closer, closable_since, now,
-                                   self._config.settle_s)
+            backup = d.closer_wait(self.node_id, closer, closable_since, now, self._config.settle_s)
             step = d.close_step(backup, inputs.joined, self._config.max_nodes)
             if step is d.CloseStep.WAIT:
                 waits.append(backup)
@@ -476,8 +475,9 @@ class EtcdRendezvous(WhileRunning):
         """Counts of our copy against the last look (decisions.wait_without_looking)."""
         joined, _ = self.mirror.census(p.join_prefix(self.prefix, number))
         live, departures = self.mirror.census(p.nodes_prefix(self.prefix))
+        suspects = len(self.newcomers.left_out.live())
         return d.wait_without_looking(self._last_look, number, joined, live, departures,
-                                      self._clock(), self._rules)
+                                      self._clock(), self._rules, suspects)
 
     def _close(self, seen: RoundView, joiners: list[p.Joiner], previous: p.Plan | None) -> None:
         """Write the plan, or fail the job when this round would exceed --max-restarts."""

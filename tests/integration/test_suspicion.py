@@ -213,18 +213,21 @@ def test_a_run_is_marked_as_re_forming_in_place_once_and_only_while_it_runs(agen
 
 
 def test_a_join_after_a_suspicion_does_not_wait_for_the_left_out_nodes_lease(agents):
-    """c, left out on suspicion, keeps its key (its 30 s lease lives on). A newcomer's
+    """c, left out on suspicion, keeps its key (its lease lives on). A newcomer's
     round soon after must close without c, not wait for it to join or expire: with
-    --settle-max at 120 s and room for a fourth node, only the memory of the
-    suspicion lets it close in time."""
-    a, b, c = agents("later", "a", "b", "c", settle_max_s=120.0, max_nodes=4)
+    --settle-max, the drain timeout and the lease at 120 s and room for a fourth
+    node, only the memory of the suspicion lets it close within 20 s. (It once
+    waited out the drain timeout: c's live key kept the joiners' count from ever
+    reaching the live nodes', so nobody looked again before a timer ran out.)"""
+    slow = {"settle_max_s": 120.0, "drain_timeout_s": 120.0, "lease_ttl_s": 120}
+    a, b, c = agents("later", "a", "b", "c", max_nodes=4, **slow)
     start = held_by_all([a, b, c], 0)
     c.hang()
     a.rdzv.suspect(start, suspicion(a))
     shrunk = held_by_all([a, b], 1)
     assert set(shrunk.node_ids) == {"a", "b"}  # round 0's order: by join revision
-    (d,) = agents("later", "d", settle_max_s=120.0, max_nodes=4)
-    grown = held_by_all([a, b, d], 2, timeout_s=60)  # well below --settle-max
+    (d,) = agents("later", "d", max_nodes=4, **slow)
+    grown = held_by_all([a, b, d], 2, timeout_s=20)  # far below every 120 s timer
     assert grown.node_ids == (*shrunk.node_ids, "d")
     assert p.Cause.parse(grown.cause).kind is p.CauseKind.NEWCOMER
     assert c.rdzv.mirror.get(p.node_key(c.rdzv.prefix, "c")) is not None  # still live

@@ -259,6 +259,13 @@ def test_wait_without_looking_table(last, number, joined, live, departures, now,
     assert wait == (None if expected is None else pytest.approx(expected))
 
 
+def test_wait_without_looking_does_not_count_live_suspects_as_awaited():
+    """Five of six live nodes joined; the sixth is a suspect no round waits for: look
+    now (before, the agent waited for the next timer: the drain timeout or its lease)."""
+    assert d.wait_without_looking(LAST, 5, 5, 6, 1, 0.0, EIGHT, suspects=1) is None
+    assert d.wait_without_looking(LAST, 5, 5, 6, 1, 0.0, EIGHT) == pytest.approx(1.0)
+
+
 # ---- the restart budget ---------------------------------------------------------------
 def test_restart_verdict_examples():
     before = plan([("a", 1), ("b", 1)], restarts=1)
