@@ -69,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c  # noqa: E402
 from rdzv_report import report  # noqa: E402
 from rdzv_agents import (  # noqa: E402
-    Meter, ProcessGroupAgents, SimAgent, delta, last_registration, machine_load,
+    Meter, ProcessGroupAgents, SimAgent, delta, last_registration, machine_load, new_client,
     proxy_in_front, stored_sizes, wait_agreed,
 )
 
@@ -399,7 +399,6 @@ def etcd_for_run(members: int):
 
 
 def leader_index(endpoints: tuple[str, ...]) -> int | None:
-    from rdzv_agents import new_client
     client = new_client(endpoints[0])
     try:
         leader = client.leader_endpoint()

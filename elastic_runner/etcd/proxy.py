@@ -19,13 +19,11 @@ import socket
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Sequence
 
 from elastic_runner._process import bound_to_parent, stop_process
-from elastic_runner.errors import EtcdUnavailable
-from elastic_runner.etcd.server import find_etcd_binary, free_port
+from elastic_runner.etcd.server import find_etcd_binary, free_port, wait_ready
 
 
 class EtcdGrpcProxy:
@@ -69,19 +67,15 @@ class EtcdGrpcProxy:
         return self
 
     def _wait_listening(self) -> None:
-        deadline = time.monotonic() + self.startup_deadline_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise EtcdUnavailable(f"etcd grpc-proxy exited with code "
-                                      f"{self.process.returncode}; see {self.log_path}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise EtcdUnavailable(f"etcd grpc-proxy not listening within "
-                              f"{self.startup_deadline_s:g} s; see {self.log_path}")
+        wait_ready(self.process, self._listening, self.startup_deadline_s, "etcd grpc-proxy",
+                   "listening", self.log_path, self.stop)
+
+    def _listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
 
     def stop(self, timeout_s: float = 5.0) -> None:
         stop_process(self.process, timeout_s)

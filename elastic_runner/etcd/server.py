@@ -20,6 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from elastic_runner._process import bound_to_parent, stop_process
 from elastic_runner.errors import EtcdBinaryNotFound, EtcdUnavailable
@@ -46,6 +47,22 @@ def find_etcd_binary(explicit: str | None = None) -> str:
         if found:
             return str(found)
     raise EtcdBinaryNotFound(INSTALL_HINT)
+
+
+def wait_ready(process: subprocess.Popen, ready: Callable[[], bool], deadline_s: float,
+               what: str, state: str, log_path: Path | None, stop: Callable[[], None]) -> None:
+    """Poll `ready` until it holds. A server that exits, or is not `state` in time (then
+    stopped), raises EtcdUnavailable naming its log: the embedded etcd and the proxy."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise EtcdUnavailable(f"{what} exited with code {process.returncode}; "
+                                  f"see {log_path}")
+        if ready():
+            return
+        time.sleep(0.05)
+    stop()
+    raise EtcdUnavailable(f"{what} not {state} within {deadline_s:g} s; see {log_path}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -131,20 +148,8 @@ class EmbeddedEtcd:
         return self
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_deadline_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise EtcdUnavailable(
-                    f"embedded etcd exited with code {self.process.returncode}; "
-                    f"see {self._log_path}"
-                )
-            if self.healthy():
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise EtcdUnavailable(
-            f"embedded etcd not healthy within {self.startup_deadline_s:g} s; see {self._log_path}"
-        )
+        wait_ready(self.process, self.healthy, self.startup_deadline_s, "embedded etcd",
+                   "healthy", self._log_path, self.stop)
 
     def healthy(self) -> bool:
         context = None
