@@ -1,15 +1,22 @@
-"""Chaos soak: random kills, spot notices and joins against a 3-5 agent job.
+"""Chaos soak: random kills, spot notices, freezes and joins against a 3-5 agent job.
 
-Runs examples/train_mlp.py (exactly-once sampler, er.Checkpointer) on an embedded
-etcd for --duration seconds while a seeded random schedule SIGKILLs an agent
-(crash), SIGTERMs one (spot notice) or starts one, keeping 3-5 agents alive. From
-the workers' own index trace it reports, per completed epoch, samples lost and
-samples trained twice in the run's effective history (a step re-done after a
-crash replaces the lost copy), resizes survived, work re-done and goodput.
+Runs examples/train_mlp.py (exactly-once sampler, er.Checkpointer; the restart path)
+or, with --script inproc, examples/train_inproc.py (the same model under er.elastic:
+workers re-form in their own process) on an embedded etcd for --duration seconds
+while a seeded random schedule SIGKILLs a node (crash), SIGTERMs one (spot notice),
+freezes one (SIGSTOP of its agent and workers, SIGCONT after 1-8 s: shorter and
+longer than the lease) or starts one; a kill or a freeze reaches the agent and its
+workers at once, as on a real machine, keeping 3-5 nodes. From the workers' own
+trace it reports, per completed epoch, samples lost and samples trained twice in the
+run's effective history (a step re-done after a crash replaces the lost copy),
+resizes survived, work re-done and goodput; for inproc also the steps where ranks
+disagreed on the parameters, worker processes started and fallbacks to the restart
+path.
 
-    python bench/chaos_soak.py --duration 600
+    python bench/chaos_soak.py --duration 600 [--script inproc] [--no-freeze]
 Not part of CI. Prints a table and writes bench/results/chaos_soak-<time>.json and
-bench/latest/chaos_soak.json.
+bench/latest/chaos_soak[-inproc].json. Exit code 1 when a sample was lost or
+trained twice, or ranks disagreed.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,21 +34,27 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from elastic_runner._process import signal_machine
 from elastic_runner.etcd.server import EmbeddedEtcd
 from elastic_runner.events import read_jsonl
 from elastic_runner.events import EVENTS_FILE, read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES, BATCH = 2048, 32
-
-
+LEASE_TTL_S = 3
+SCRIPTS = {"mlp": "examples/train_mlp.py", "inproc": "examples/train_inproc.py"}
+# A frozen node is thawed after this many seconds, drawn uniformly: below the lease TTL
+# it should be waited for; above it, it has lost its place and must join again.
+FREEZE_S = (1.0, 8.0)
 
 
 class Soak:
-    def __init__(self, endpoint: str, workdir: Path, seed: int):
+    def __init__(self, endpoint: str, workdir: Path, seed: int, script: str, freeze: bool):
         self.endpoint, self.workdir = endpoint, workdir
+        self.script, self.freeze = script, freeze
         self.random = random.Random(seed)
         self.agents: dict[str, subprocess.Popen] = {}
+        self.frozen: dict[str, float] = {}  # node -> when to thaw it
         self.events: list[dict] = []
         self._next = 0
 
@@ -49,8 +63,8 @@ class Soak:
         self._next += 1
         command = [sys.executable, "-m", "elastic_runner", "--rdzv-endpoints", self.endpoint,
                    "--run-id", "soak", "--node-id", name, "--min-nodes", "1", "--max-nodes", "5",
-                   "--lease-ttl", "3", "--settle", "1", "--log-dir", str(self.workdir / "logs"),
-                   str(ROOT / "examples/train_mlp.py"),
+                   "--lease-ttl", str(LEASE_TTL_S), "--settle", "1",
+                   "--log-dir", str(self.workdir / "logs"), str(ROOT / SCRIPTS[self.script]),
                    "--samples", str(SAMPLES), "--global-batch", str(BATCH), "--epochs", "100000",
                    "--every", "20", "--step-time", "0.02",
                    "--checkpoint-dir", str(self.workdir / "ckpt"),
@@ -61,21 +75,42 @@ class Soak:
         self.events.append({"t": time.time(), "event": "join", "node": name})
 
     def alive(self) -> list[str]:
-        return [n for n, p in self.agents.items() if p.poll() is None]
+        """Nodes whose agent runs and is not frozen."""
+        return [n for n, p in self.agents.items() if p.poll() is None and n not in self.frozen]
 
     def strike(self) -> None:
         alive = self.alive()
-        choices = (["join"] if len(alive) < 5 else []) + (["kill", "notice"] if len(alive) > 3
-                                                           else [])
+        harm = ["kill", "notice"] + (["freeze"] if self.freeze else [])
+        choices = (["join"] if len(alive) < 5 else []) + (harm if len(alive) > 3 else [])
         action = self.random.choice(choices or ["join"])
         if action == "join":
             return self.start()
         victim = self.random.choice(alive)
-        if action == "kill":
-            os.killpg(self.agents[victim].pid, signal.SIGKILL)
+        event = {"t": time.time(), "event": action, "node": victim}
+        if action == "kill":  # the machine dies: agent and workers at once
+            signal_machine(self.agents[victim].pid, signal.SIGKILL)
+        elif action == "freeze":  # the machine freezes: agent and workers
+            signal_machine(self.agents[victim].pid, signal.SIGSTOP)
+            event["for_s"] = round(self.random.uniform(*FREEZE_S), 2)
+            self.frozen[victim] = time.time() + event["for_s"]
         else:
             self.agents[victim].send_signal(signal.SIGTERM)
-        self.events.append({"t": time.time(), "event": action, "node": victim})
+        self.events.append(event)
+
+    def thaw_due(self) -> None:
+        for node, when in list(self.frozen.items()):
+            if time.time() >= when:
+                del self.frozen[node]
+                if self.agents[node].poll() is None:
+                    signal_machine(self.agents[node].pid, signal.SIGCONT)
+                self.events.append({"t": time.time(), "event": "thaw", "node": node})
+
+    def sleep_until(self, deadline: float) -> None:
+        """Sleep to `deadline`, thawing frozen nodes on time on the way."""
+        while (left := deadline - time.time()) > 0:
+            thaws = [when - time.time() for when in self.frozen.values()]
+            time.sleep(max(0.0, min([left, *thaws])))
+            self.thaw_due()
 
     def stop(self) -> None:
         for process in self.agents.values():
@@ -83,12 +118,26 @@ class Soak:
                 os.killpg(process.pid, signal.SIGKILL)
 
 
-def analyse(rows: list[dict], events: list[dict], agent_events: list[dict],
-            duration: float) -> dict:
+def effective_rows(trace: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(every step row, the rows that count): each step counts in the last round
+    that completed it. train_inproc.py also logs what each rank began a step with:
+    where present, those of that round count, since a rank that lost its peer after
+    the step's last all-reduce reached the others never logs the step, yet the
+    ranks that completed it applied its gradients."""
+    rows = [r for r in trace if "began" not in r]
     last_round: dict[int, int] = {}
     for row in rows:
         last_round[row["step"]] = max(last_round.get(row["step"], -1), row["round"])
-    effective = [r for r in rows if r["round"] == last_round[r["step"]]]
+    began = [r for r in trace if "began" in r]
+    if not began:
+        return rows, [r for r in rows if r["round"] == last_round[r["step"]]]
+    return rows, [{**r, "step": r["began"]} for r in began
+                  if r["round"] == last_round.get(r["began"])]
+
+
+def analyse(trace: list[dict], events: list[dict], agent_events: list[dict],
+            duration: float) -> dict:
+    rows, effective = effective_rows(trace)
     epochs = sorted({r["epoch"] for r in effective})
     complete = epochs[:-1]  # the last one was cut by the end of the soak
     lost = duplicated = 0
@@ -97,16 +146,32 @@ def analyse(rows: list[dict], events: list[dict], agent_events: list[dict],
         lost += SAMPLES - len(seen)
         duplicated += sum(count - 1 for count in seen.values())
     useful = sum(len(r["indices"]) for r in effective)
-    total = sum(len(r["indices"]) for r in rows)
+    begun = [r for r in trace if "began" in r] or rows  # work begun, counted once
+    total = sum(len(r["indices"]) for r in begun)
     resizes = {e["round"] for e in agent_events if e["kind"] == "resize"}
     trained_rounds = {r["round"] for r in rows}
-    return {"duration_s": round(duration, 1), "events": Counter(e["event"] for e in events),
-            "resizes_survived": len(resizes), "rounds_that_trained": len(trained_rounds),
-            "completed_epochs": len(complete), "samples_lost": lost,
-            "samples_duplicated": duplicated, "useful_samples": useful,
-            "samples_redone": total - useful,
-            "useful_samples_per_s": round(useful / duration, 1),
-            "goodput_vs_work_done": round(useful / total, 4) if total else 0.0}
+    result = {"duration_s": round(duration, 1), "events": Counter(e["event"] for e in events),
+              "resizes_survived": len(resizes), "rounds_that_trained": len(trained_rounds),
+              "completed_epochs": len(complete), "samples_lost": lost,
+              "samples_duplicated": duplicated, "useful_samples": useful,
+              "samples_redone": total - useful,
+              "useful_samples_per_s": round(useful / duration, 1),
+              "goodput_vs_work_done": round(useful / total, 4) if total else 0.0,
+              "resizes_in_place": len({e["round"] for e in agent_events
+                                       if e["kind"] == "resize" and e.get("inprocess")}),
+              "fallbacks_to_restart": sum(e["kind"].endswith("_fallback") for e in agent_events)}
+    if any("checksum" in r for r in rows):  # train_inproc.py's trace
+        result["worker_processes"] = len({r["pid"] for r in rows})
+        result["steps_ranks_disagreed"] = disagreements(rows)
+    return result
+
+
+def disagreements(rows: list[dict]) -> int:
+    """(round, step)s at which the ranks logged different parameter checksums."""
+    sums: dict[tuple[int, int], set[float]] = {}
+    for row in rows:
+        sums.setdefault((row["round"], row["step"]), set()).add(round(row["checksum"], 6))
+    return sum(len(found) > 1 for found in sums.values())
 
 
 def main() -> int:
@@ -114,16 +179,21 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=600)
     parser.add_argument("--interval", type=float, default=15, help="mean seconds between faults")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--script", choices=sorted(SCRIPTS), default="mlp",
+                        help="mlp: the restart path; inproc: er.elastic, re-formed in place")
+    parser.add_argument("--no-freeze", dest="freeze", action="store_false",
+                        help="no SIGSTOP/SIGCONT of whole nodes")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, trace)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="elastic-run-soak-"))
     with EmbeddedEtcd() as etcd:
-        soak = Soak(etcd.endpoint, workdir, args.seed)
+        soak = Soak(etcd.endpoint, workdir, args.seed, args.script, args.freeze)
         started = time.time()
         try:
             for _ in range(3):
                 soak.start()
             while time.time() - started < args.duration:
-                time.sleep(soak.random.expovariate(1 / args.interval))
+                soak.sleep_until(time.time() + soak.random.expovariate(1 / args.interval))
                 if time.time() - started < args.duration:
                     soak.strike()
         finally:
@@ -132,17 +202,27 @@ def main() -> int:
     result = analyse(read_jsonl(workdir / "trace.jsonl"), soak.events, agent_events,
                      time.time() - started)
     result["events"] = dict(result["events"])
-    result.update(date=time.strftime("%Y-%m-%d"), cores=os.cpu_count(), workdir=str(workdir))
+    result.update(script=SCRIPTS[args.script], freeze=args.freeze, seed=args.seed,
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cores=os.cpu_count(),
+                  workdir="(a temporary folder, kept: printed below)" if args.keep
+                  else "(a temporary folder, removed after the run)")
     (workdir / "events.json").write_text(json.dumps(soak.events, indent=1))
     width = max(len(k) for k in result)
     for key, value in result.items():
         print(f"{key:<{width}}  {value}")
+    if args.keep:
+        print(f"logs, trace and the schedule: {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for folder, name in ((ROOT / "bench/results", f"chaos_soak-{stamp}.json"),
-                         (ROOT / "bench/latest", "chaos_soak.json")):
+    suffix = "" if args.script == "mlp" else f"-{args.script}"
+    for folder, name in ((ROOT / "bench/results", f"chaos_soak{suffix}-{stamp}.json"),
+                         (ROOT / "bench/latest", f"chaos_soak{suffix}.json")):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if result["samples_lost"] == 0 and result["samples_duplicated"] == 0 else 1
+    clean = (result["samples_lost"] == 0 and result["samples_duplicated"] == 0
+             and not result.get("steps_ranks_disagreed"))
+    return 0 if clean else 1
 
 
 if __name__ == "__main__":

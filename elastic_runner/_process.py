@@ -56,3 +56,42 @@ def stop_process(process: subprocess.Popen | None, timeout_s: float = 5.0) -> No
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=10)
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and its live descendants, parents first, as /proc shows them now."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat_file:
+                stat = stat_file.read()
+        except OSError:  # gone meanwhile
+            continue
+        # The command name (field 2) may hold spaces and ')': ppid is the second
+        # field after its closing parenthesis.
+        parent = int(stat[stat.rindex(b")") + 2:].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    tree, index = [root], 0
+    while index < len(tree):
+        tree.extend(children.get(tree[index], ()))
+        index += 1
+    return tree
+
+
+def signal_machine(root: int, signum: int) -> None:
+    """Send `signum` to `root` and every descendant, as a crashing (SIGKILL) or
+    freezing (SIGSTOP) machine would stop all of them at once.
+
+    Why not os.killpg: the agent starts each worker in a session of its own (so that
+    a Ctrl-C meant for the agent does not reach them), and a process group then
+    holds the agent alone. SIGKILL would still end the workers (their parent-death
+    signal), a moment later; SIGSTOP would freeze the agent and leave its workers
+    running. The test harness and the chaos soak play machine faults with this.
+    """
+    for pid in process_tree(root):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass

@@ -8,9 +8,13 @@ again. Only the first start of the job, and the loss of every copy, read a check
 
     elastic-run --min-nodes 1 --max-nodes 4 examples/train_inproc.py --steps 300
 
-With --trace FILE every rank appends one JSON line per step: the indices it trained,
-its pid, world size, round, and a checksum of the parameters after the step (all ranks
-must agree on it at every step; the in-process tests check exactly that).
+With --trace FILE every rank appends two JSON lines per step. Before its first
+collective: the indices it is about to contribute ("began"). After the step: the same
+with its pid, world size, round, and a checksum of the parameters (all ranks must agree
+on it at every step; the in-process tests check exactly that). Why both: a rank whose
+peer dies after the last all-reduce reached some ranks but not it never logs the
+step, though the ranks that completed it applied its gradients; such a step counts
+with the indices every rank began it with.
 """
 
 import argparse
@@ -64,6 +68,10 @@ def main() -> None:
         for epoch in range(sampler.epoch, args.epochs):
             sampler.set_epoch(epoch)
             for step, indices in sampler:
+                if trace:
+                    trace.write(json.dumps({
+                        "began": step, "rank": ctx.rank, "round": ctx.round,
+                        "epoch": epoch, "indices": indices}) + "\n")
                 optimizer.zero_grad()
                 batch = torch.tensor(indices, dtype=torch.long)
                 loss_sum = torch.nn.functional.mse_loss(
