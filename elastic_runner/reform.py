@@ -111,8 +111,11 @@ class ReformChannel:
         write_atomic(path, json.dumps(record).encode(), durable=False)
 
     # ---- the agent's half -----------------------------------------------------------
-    def ask_pause(self, round_number: int) -> None:
-        self._write(self._pause_file(), {"round": round_number})
+    def ask_pause(self, round_number: int, broken: bool = False) -> None:
+        """`broken`: a member of the round is gone, so its group cannot finish a
+        collective; the workers cut their connections instead of waiting for the
+        step boundary (worker/broken_round.py)."""
+        self._write(self._pause_file(), {"round": round_number, "broken": broken})
 
     def assign(self, local_rank: int, assignment: Assignment) -> None:
         self._write(self._assignment_file(local_rank), asdict(assignment))
@@ -137,6 +140,11 @@ class ReformChannel:
     def pause_asked(self, round_number: int) -> bool:
         record = _read(self._pause_file())
         return record is not None and record.get("round") == round_number
+
+    def broken(self, round_number: int) -> bool:
+        record = _read(self._pause_file())
+        return record is not None and record.get("round") == round_number \
+            and record.get("broken") is True
 
     def assignment(self, local_rank: int) -> Assignment | None:
         record = _read(self._assignment_file(local_rank))

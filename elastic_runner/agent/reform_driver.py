@@ -59,6 +59,9 @@ log = logging.getLogger("elastic_runner")
 # How often the channel is read while waiting: a read is a stat and a small JSON
 # parse per worker, and every millisecond here is a millisecond of paused training.
 POLL_S = 0.005
+# Causes that leave the round's group unable to finish a collective: the workers are
+# told to cut it (worker/broken_round.py) rather than wait for a step boundary.
+BROKEN_BY = frozenset({CauseKind.MEMBER_LOST, CauseKind.MEMBER_SUSPECTED})
 
 
 class ReformFallback(Exception):
@@ -216,8 +219,9 @@ class InProcessReform:
             # pause is the process group and the state transfer only.
             new = self._ctx.rendezvous.next_plan(plan, cause)
             self._ctx.channel.ask_pause(plan.round)
-        else:  # a member is gone or leaving: stop at the next step boundary
-            self._ctx.channel.ask_pause(plan.round)
+        else:  # a member is gone or leaving: stop at the next step boundary, or at
+            # once when it is gone (a collective waiting for it would only time out)
+            self._ctx.channel.ask_pause(plan.round, broken=cause.kind in BROKEN_BY)
             new = self._ctx.rendezvous.next_plan(plan, cause)
         problem = plan_problem(new)
         if problem:

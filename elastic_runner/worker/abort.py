@@ -12,14 +12,24 @@ Two rules hold: a broken group must never stop the worker from leaving it (every
 error on the way out is logged at debug and swallowed: the next round's group is
 what matters), and nothing here needs CUDA (the abort path is chosen by the group's
 backend name, so this module is importable and testable on a CPU-only torch).
+
+Gloo has no abort that reaches a blocked collective (torch 2.13's
+ProcessGroupGloo.abort() returns at once and leaves it waiting), so `GroupSockets`
+keeps the connections gloo groups opened, and cutting them fails the collective at
+once with gloo's own "Connection closed" error, the one a dead peer gives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
+import threading
+from typing import Iterator
 
-__all__ = ["leave_process_group", "survive_nccl_errors"]
+__all__ = ["GroupSockets", "capturing_sockets", "group_sockets", "leave_process_group",
+           "survive_nccl_errors"]
 
 _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
@@ -46,6 +56,7 @@ def leave_process_group(logger: logging.Logger) -> None:
                 logger.debug("leaving the broken process group: %s", error)
     if not dist.is_initialized():
         _forget_group_names(dist)
+        group_sockets.forget()
 
 
 def _forget_group_names(dist) -> None:
@@ -100,3 +111,96 @@ def survive_nccl_errors() -> None:
     process's own environment, which the runtime owns."""
     if os.environ.get(_NCCL_ERROR_HANDLING, "1") == "1":
         os.environ[_NCCL_ERROR_HANDLING] = "2"
+
+
+def _socket_fds() -> dict[int, str]:
+    """This process's socket descriptors, each with its "socket:[inode]" identity."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile (the listing's own descriptor among them)
+            continue
+        if link.startswith("socket:"):
+            found[int(name)] = link
+    return found
+
+
+class GroupSockets:
+    """The connections this process's gloo groups opened, to cut when a round breaks.
+
+    Why: a collective whose peer froze (SIGSTOP: socket open, no answer), or whose
+    peer left without the exchange it waits for, blocks until the collective
+    timeout, though the agent knows within a lease TTL (or at once, on a suspicion)
+    that the round is over. Shutting the group's connections down fails it at once;
+    the peers' collectives fail with it.
+
+    Which sockets: those that appeared while a group formed (`capture`), told apart
+    by inode so that a descriptor number reused later is never touched. Listening
+    sockets are skipped: gloo's listener thread aborts the process when its socket
+    is shut down under it. Limits: a socket another thread of this process opened
+    during a formation is cut too, and a gloo group that connects lazily
+    (TORCH_GLOO_LAZY_INIT) opens its connections later, uncaptured.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._captured: dict[int, str] = {}
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        before = _socket_fds()
+        try:
+            yield
+        finally:
+            opened = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link}
+            with self._lock:
+                self._captured.update(opened)
+
+    def cut(self) -> int:
+        """Shut down every captured connection that is still the one captured; how many."""
+        with self._lock:
+            captured = dict(self._captured)
+        cut = 0
+        for fd, link in captured.items():
+            try:
+                duplicate = os.dup(fd)
+            except OSError:
+                continue  # closed since
+            with socket.socket(fileno=duplicate) as sock:
+                if (not _same_socket(duplicate, link) or sock.family not in _IP
+                        or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                    continue
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+                except OSError:  # not connected (any more)
+                    pass
+        return cut
+
+    def forget(self) -> None:
+        """The groups are gone: their descriptors may be reused by anything."""
+        with self._lock:
+            self._captured.clear()
+
+
+_IP = (socket.AF_INET, socket.AF_INET6)
+
+
+def _same_socket(fd: int, link: str) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == link
+    except OSError:
+        return False
+
+
+# This process's groups, like torch's one default group: a worker has one at a time.
+group_sockets = GroupSockets()
+
+
+def capturing_sockets(backend: str) -> contextlib.AbstractContextManager:
+    """Around forming a group: keep its connections when it is gloo alone. NCCL's
+    own connections are not ours to cut: its communicators are aborted instead."""
+    if "nccl" in backend.lower():
+        return contextlib.nullcontext()
+    return group_sockets.capture()

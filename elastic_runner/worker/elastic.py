@@ -54,7 +54,8 @@ from elastic_runner.reform import (
     ReformChannel, WorkerState,
 )
 from elastic_runner.worker import formation, runtime
-from elastic_runner.worker.abort import leave_process_group
+from elastic_runner.worker.abort import capturing_sockets, group_sockets, leave_process_group
+from elastic_runner.worker.broken_round import BrokenRoundWatch
 from elastic_runner.worker.state import ShardedStateError, State
 from elastic_runner.worker.step_boundary import ReformRequested
 
@@ -166,8 +167,9 @@ class Reformer:
         self._report(TRAINING)
         while True:
             try:
-                self.state.sync()
-                result = call()
+                with BrokenRoundWatch(self.channel, lambda: self.context.round, group_sockets):
+                    self.state.sync()
+                    result = call()
             except ReformRequested:
                 reason = ASKED
             except RuntimeError as error:
@@ -293,9 +295,10 @@ class Reformer:
                                                    assignment.round))
             if store is None:
                 return self._called_off_before_forming(assignment)
-            dist.init_process_group(self.context.backend, store=store, rank=assignment.rank,
-                                    world_size=assignment.world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            with capturing_sockets(self.context.backend):
+                dist.init_process_group(self.context.backend, store=store,
+                                        rank=assignment.rank, world_size=assignment.world_size,
+                                        timeout=datetime.timedelta(seconds=timeout_s))
         except Exception as error:  # noqa: BLE001 - every way of failing is told to the agent
             first_line = collective_failure(error)
             if first_line is None:

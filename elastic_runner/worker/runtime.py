@@ -40,7 +40,7 @@ from typing import Any, Mapping
 from elastic_runner.contract import EXIT_FOR_RESIZE, ProgressWriter, WorkerEnv
 from elastic_runner.reform import STANDBY_ROUND
 from elastic_runner.worker import formation
-from elastic_runner.worker.abort import survive_nccl_errors
+from elastic_runner.worker.abort import capturing_sockets, survive_nccl_errors
 from elastic_runner.worker.step_boundary import ReformRequested, StepBoundary
 
 log = logging.getLogger("elastic_runner.worker.runtime")
@@ -163,9 +163,10 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
     if dist.is_initialized():
         _warn_on_hand_typed_ranks(dist.get_rank(), dist.get_world_size(), context)
     elif context.world_size > 1 or "MASTER_ADDR" in environ:
-        formation.form_first_group(backend, timeout_s, context.round, context.rank,
-                                   context.world_size, environ,
-                                   under_elastic_run=bool(job.reform_dir))
+        with capturing_sockets(backend):
+            formation.form_first_group(backend, timeout_s, context.round, context.rank,
+                                       context.world_size, environ,
+                                       under_elastic_run=bool(job.reform_dir))
     _active[:] = [context]
     _report_our_errors_in_one_line()
     if context.round == STANDBY_ROUND:

@@ -31,12 +31,14 @@ the sampler calls `reached()` after each step's body, and the runtime acts there
 
 from __future__ import annotations
 
+import datetime
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from elastic_runner.contract import ProgressWriter, progress_file
+from elastic_runner.worker.abort import group_sockets
 
 log = logging.getLogger("elastic_runner.worker.runtime")
 
@@ -169,7 +171,8 @@ class StepBoundary:
         if self._group is None:
             # Every rank reaches its first boundary (or due()) at the same step, so
             # this collective group creation lines up across ranks.
-            self._group = dist.new_group(backend="gloo")
+            with group_sockets.capture():
+                self._group = dist.new_group(backend="gloo", timeout=_default_group_timeout())
         value, noticed = self._contribution(pause)
         flag = torch.tensor([value, -int(noticed)], dtype=torch.int32)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
@@ -187,7 +190,31 @@ class StepBoundary:
 
     def abandon(self) -> None:
         """The process group failed under us (er.elastic re-forms it): drop the
-        agreement in flight unread, and the group with it; destroy_process_group
-        ends them. Waiting here could block on a frozen peer."""
+        agreement in flight unread, and the group with it. Waiting here could block
+        on a frozen peer; destroy_process_group still waits for it, but no longer
+        than the job's collective timeout (_default_group_timeout)."""
         self._pending = None
         self._group = None
+
+
+def _default_group_timeout() -> datetime.timedelta | None:
+    """The default group's collective timeout, for the boundary's own group.
+
+    Why: new_group() without a timeout takes torch's default for gloo, 30 minutes
+    (distributed_c10d._get_default_timeout), not the default group's. When a peer
+    froze (SIGSTOP: sockets open, no answer), the agreement in flight on the
+    boundary group never failed, and destroy_process_group(), whose gloo shutdown
+    waits for queued work, held an er.elastic survivor for that long after its
+    training collective had timed out: it never paused, and its agent fell back to
+    restarting it. None (torch's default) where the group's backend does not say.
+    """
+    import torch
+    import torch.distributed as dist
+
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        for device in group._device_types:
+            return group._get_backend(torch.device(device)).options._timeout
+    except (RuntimeError, ValueError, AttributeError) as error:
+        log.debug("the default group's timeout is unreadable: %s", error)
+    return None

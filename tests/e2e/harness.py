@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastic_runner._process import signal_machine
 from elastic_runner.events import read_jsonl  # the e2e tests import it from here
 from tests.helpers.injected_fault import FAULT_DIR_VARIABLE, FIRED, armed_path
 
@@ -77,8 +78,9 @@ class Job:
         return (self.workdir / f"agent-{node}.log").read_text(errors="replace")
 
     def kill(self, node: str, signum: int = signal.SIGKILL) -> None:
-        """SIGKILL the agent's whole session: the node and its workers die together."""
-        os.killpg(self.agents[node].pid, signum)
+        """Signal the node's agent and every process under it at once: SIGKILL plays a
+        machine crash, SIGSTOP a machine freeze (workers included)."""
+        signal_machine(self.agents[node].pid, signum)
 
     def terminate(self, node: str) -> None:
         self.agents[node].send_signal(signal.SIGTERM)

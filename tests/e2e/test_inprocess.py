@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_runner._process import process_tree
 from tests.e2e.harness import Job, read_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -39,8 +40,18 @@ def inproc(etcd, tmp_path):
 
 
 def rows(job: Job) -> list[dict]:
-    """The trace so far; a line cut by a SIGKILL mid-write is skipped."""
-    return read_jsonl(job.trace)
+    """The steps logged so far (a line cut by a SIGKILL mid-write is skipped); each
+    carries the rank's "began" lines of its round as `began_by_step`, for
+    check_exactly_once."""
+    trace = read_jsonl(job.trace)
+    began = collections.defaultdict(list)
+    for row in trace:
+        if "began" in row:
+            began[(row["began"], row["round"])].append(row["indices"])
+    steps = [row for row in trace if "began" not in row]
+    for row in steps:
+        row["began_by_step"] = began.get((row["step"], row["round"]), [])
+    return steps
 
 
 def wait_world(job: Job, world: int, steps: int = 3, after_round: int = -1,
@@ -77,14 +88,18 @@ def check_consistency(trace: list[dict]) -> None:
 
 
 def check_exactly_once(trace: list[dict], samples: int = SAMPLES) -> collections.Counter:
-    """Each step counts in the last round that completed it; return steps re-done."""
-    last_round = {}
+    """Each step counts in the last round that completed it, with the indices every
+    rank began it with there (a rank that contributed to the step's all-reduces and
+    then lost its peer never logs it, but the ranks that completed it applied its
+    gradients); return steps re-done."""
+    last = {}
     for row in trace:
-        last_round[row["step"]] = max(last_round.get(row["step"], -1), row["round"])
+        if row["round"] >= last.get(row["step"], row)["round"]:
+            last[row["step"]] = row
     trained = collections.Counter()
-    for row in trace:
-        if row["round"] == last_round[row["step"]]:
-            trained.update(row["indices"])
+    for row in last.values():
+        for indices in row["began_by_step"]:
+            trained.update(indices)
     assert sorted(trained) == list(range(samples))
     assert set(trained.values()) == {1}
     rounds_per_step = collections.Counter()
@@ -140,10 +155,19 @@ def test_leave_join_and_sigkill_of_the_rank0_host_in_one_run(inproc):
 
 
 def test_a_frozen_node_does_not_hang_the_survivors(inproc):
+    """The whole node freezes, its worker too (SIGSTOP: sockets open, no answer).
+    Once its lease expires the agents mark the round broken, the survivors cut their
+    group's connections (worker/broken_round.py) instead of waiting out the collective
+    timeout (12 s here), and re-form in their own processes. Before the step
+    boundary's group got the job's timeout, leaving the group waited on its agreement
+    in flight (30 minutes, torch's default) and the agents fell back to restarting
+    the survivors."""
     inproc.start("a", "b", "c")
     first = wait_world(inproc, 3)
     inproc.kill("c", signal.SIGSTOP)
     try:
+        node = process_tree(inproc.agents["c"].pid)
+        assert len(node) >= 2 and {_state(pid) for pid in node} == {"T"}  # agent, worker
         wait_world(inproc, 2, after_round=first)
     finally:
         inproc.kill("c", signal.SIGKILL)
@@ -151,6 +175,9 @@ def test_a_frozen_node_does_not_hang_the_survivors(inproc):
     trace = rows(inproc)
     check_consistency(trace)
     assert sum(check_exactly_once(trace).values()) <= 1
+    assert len(pids(trace)) == 3  # the survivors' workers were never restarted
+    assert all("re-formed in place" in inproc.agent_log(n) for n in ("a", "b"))
+    assert not any("Timed out" in inproc.agent_log(n) for n in ("a", "b"))  # cut, not timed out
 
 
 def test_two_changes_in_quick_succession(inproc):
@@ -182,3 +209,8 @@ def _parent(pid: int) -> int:
     """A worker's agent: its parent process (field 4 of /proc/PID/stat)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (field 3 of /proc/PID/stat): T when stopped."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -1,0 +1,54 @@
+"""One rank of a gloo group whose member 2 freezes: ranks 0 and 1 block in an
+all-reduce (collective timeout 120 s) until their channel says the round is broken.
+
+    python -m tests.helpers.cut_group RANK STORE_FILE CHANNEL_DIR
+
+Prints "blocked" once in the collective, then "failed <seconds> <first line>" when
+it fails, and exits 0; rank 2 stops itself (SIGSTOP) after the first all-reduce.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from elastic_runner.reform import ReformChannel
+from elastic_runner.worker.abort import group_sockets
+from elastic_runner.worker.broken_round import BrokenRoundWatch
+from elastic_runner.worker.elastic import collective_failure
+
+WORLD = 3
+
+
+def main() -> int:
+    rank, store_file, channel_dir = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    with group_sockets.capture():
+        dist.init_process_group("gloo", store=dist.FileStore(store_file, WORLD), rank=rank,
+                                world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    tensor = torch.ones(8)
+    dist.all_reduce(tensor)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return 0
+    with BrokenRoundWatch(ReformChannel(channel_dir), lambda: 0, group_sockets, poll_s=0.05):
+        print("blocked", flush=True)
+        started = time.monotonic()
+        try:
+            dist.all_reduce(tensor)
+        except RuntimeError as error:
+            print(f"failed {time.monotonic() - started:.2f} {collective_failure(error)}",
+                  flush=True)
+            return 0
+    print("completed", flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""A broken round fails a blocked collective at once (worker/broken_round.py, abort.GroupSockets).
+
+The sockets are real loopback connections; the agent's half runs on the fakes of
+test_agent_reform.py; a real gloo group with a frozen member is in
+tests/integration/test_cut_group.py and the e2e freeze test.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from elastic_runner.reform import TRAINING, ReformChannel
+from elastic_runner.rendezvous.protocol import Cause, CauseKind
+from elastic_runner.worker.abort import GroupSockets
+from elastic_runner.worker.broken_round import BrokenRoundWatch
+from tests.helpers.reform_fakes import Node
+from tests.unit.test_agent_reform import LOST_X
+
+
+@pytest.fixture
+def listener():
+    server = socket.create_server(("127.0.0.1", 0))
+    yield server
+    server.close()
+
+
+def connect(listener: socket.socket) -> tuple[socket.socket, socket.socket]:
+    """(our end, the peer's end) of one loopback connection."""
+    ours = socket.create_connection(listener.getsockname(), timeout=5)
+    theirs, _ = listener.accept()
+    theirs.settimeout(5)
+    return ours, theirs
+
+
+def test_cut_shuts_down_the_connections_opened_while_capturing_and_no_other(listener):
+    sockets = GroupSockets()
+    before, before_peer = connect(listener)
+    with sockets.capture():
+        inside = socket.create_connection(listener.getsockname(), timeout=5)
+        group_listener = socket.create_server(("127.0.0.1", 0))
+    inside_peer, _ = listener.accept()  # the peer's end: opened after the capture
+    inside_peer.settimeout(5)
+    try:
+        assert sockets.cut() == 1
+        assert inside_peer.recv(1) == b""  # the peer sees the connection end
+        with pytest.raises(OSError):
+            inside.send(b"x")
+        before.sendall(b"ok")  # opened before the capture: untouched
+        assert before_peer.recv(2) == b"ok"
+        late, _ = connect(group_listener)  # a listening socket is never shut down
+        late.close()
+    finally:
+        for sock in (before, before_peer, inside, inside_peer, group_listener):
+            sock.close()
+
+
+def test_a_descriptor_number_reused_by_another_socket_is_not_cut(listener):
+    sockets = GroupSockets()
+    with sockets.capture():
+        first, first_peer = connect(listener)
+    number = first.fileno()
+    first.close()
+    first_peer.close()
+    other = socket.socket()
+    try:
+        if other.fileno() != number:
+            pytest.skip("the kernel did not reuse the descriptor number")
+        other.connect(listener.getsockname())
+        other_peer, _ = listener.accept()
+        assert sockets.cut() == 0
+        other.sendall(b"ok")
+        assert other_peer.recv(2) == b"ok"
+        other_peer.close()
+    finally:
+        other.close()
+
+
+def test_forget_leaves_nothing_to_cut(listener):
+    sockets = GroupSockets()
+    with sockets.capture():
+        ours, theirs = connect(listener)
+    sockets.forget()
+    assert sockets.cut() == 0
+    ours.close()
+    theirs.close()
+
+
+def test_the_channel_says_broken_only_for_that_round_and_only_when_asked(tmp_path):
+    channel = ReformChannel(tmp_path)
+    assert not channel.broken(3)
+    channel.ask_pause(3)
+    assert channel.pause_asked(3) and not channel.broken(3)
+    channel.ask_pause(3, broken=True)
+    assert channel.pause_asked(3) and channel.broken(3) and not channel.broken(4)
+
+
+class CountingSockets:
+    def __init__(self):
+        self.cuts = 0
+
+    def cut(self) -> int:
+        self.cuts += 1
+        return 2
+
+
+@pytest.mark.parametrize("asked, expected_cuts", [
+    ({"round": 5, "broken": True}, 1),
+    ({"round": 5, "broken": False}, 0),  # a graceful pause: the step boundary handles it
+    ({"round": 4, "broken": True}, 0),   # an older round's request
+])
+def test_the_watch_cuts_once_when_its_round_is_broken(tmp_path, asked, expected_cuts):
+    channel = ReformChannel(tmp_path)
+    channel.ask_pause(asked["round"], broken=asked["broken"])
+    sockets = CountingSockets()
+    with BrokenRoundWatch(channel, lambda: 5, sockets, poll_s=0.01):
+        deadline = time.monotonic() + (5 if expected_cuts else 0.3)
+        while sockets.cuts < expected_cuts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # a second cut would come within a few polls
+    assert sockets.cuts == expected_cuts
+
+
+def test_leaving_the_watch_stops_its_thread_at_once(tmp_path):
+    before = threading.active_count()
+    started = time.monotonic()
+    with BrokenRoundWatch(ReformChannel(tmp_path), lambda: 0, CountingSockets(), poll_s=30):
+        pass
+    assert time.monotonic() - started < 5  # not one 30 s poll
+    assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("cause, broken", [
+    (Cause.member_lost(["x"]), True),
+    (Cause(CauseKind.MEMBER_SUSPECTED, "y local rank 0: collective-error: reset"), True),
+])
+def test_the_agent_marks_a_round_broken_when_a_member_is_gone(tmp_path, monkeypatch, cause,
+                                                              broken):
+    asked = record_pause_requests(monkeypatch)
+    node = Node(tmp_path, LOST_X)
+    node.rendezvous.change = cause
+    node.rendezvous.change_when = lambda: node.channel_shows(TRAINING, 0)
+    assert node.run() == 0
+    assert asked == [(0, broken)]
+
+
+def test_a_notice_is_no_broken_round(tmp_path, monkeypatch):
+    asked = record_pause_requests(monkeypatch)
+    node = Node(tmp_path, LOST_X)
+    node.rendezvous.leaving = ["x"]
+    node.rendezvous.leaving_when = lambda: node.channel_shows(TRAINING, 0)
+    assert node.run() == 0
+    assert asked == [(0, False)]
+
+
+def record_pause_requests(monkeypatch) -> list[tuple[int, bool]]:
+    """(round, broken) of every pause the agent asks, as the workers read it."""
+    asked = []
+    ask = ReformChannel.ask_pause
+
+    def recording(channel, round_number, broken=False):
+        ask(channel, round_number, broken=broken)
+        record = json.loads((channel.directory / "pause.json").read_text())
+        asked.append((record["round"], record["broken"]))
+    monkeypatch.setattr(ReformChannel, "ask_pause", recording)
+    return asked
