@@ -213,8 +213,8 @@ def _default_group_timeout() -> datetime.timedelta | None:
 
     try:
         group = dist.distributed_c10d._get_default_group()
-        for device in group._device_types:
-            return group._get_backend(torch.device(device)).options._timeout
-    except (RuntimeError, ValueError, AttributeError) as error:
+        device = torch.device(group._device_types[0])  # NCCL: cuda; gloo: cpu
+        return group._get_backend(device).options._timeout
+    except (RuntimeError, ValueError, AttributeError, IndexError) as error:
         log.debug("the default group's timeout is unreadable: %s", error)
-    return None
+        return None

@@ -168,3 +168,25 @@ def record_pause_requests(monkeypatch) -> list[tuple[int, bool]]:
         asked.append((record["round"], record["broken"]))
     monkeypatch.setattr(ReformChannel, "ask_pause", recording)
     return asked
+
+
+def test_the_step_boundarys_group_takes_the_default_groups_timeout(tmp_path):
+    """Not torch's 30 minutes for a gloo new_group: an agreement in flight when a peer
+    froze would hold destroy_process_group() that long (step_boundary.py)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from elastic_runner.worker.step_boundary import StepBoundary
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=7))
+    try:
+        boundary = StepBoundary(0, 1, "", "")
+        work, _, _ = boundary._start(pause=False)
+        work.wait()
+        backend = boundary._group._get_backend(torch.device("cpu"))
+        assert backend.options._timeout == datetime.timedelta(seconds=7)
+    finally:
+        dist.destroy_process_group()
