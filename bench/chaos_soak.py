@@ -160,10 +160,22 @@ def analyse(trace: list[dict], events: list[dict], agent_events: list[dict],
               "resizes_in_place": len({e["round"] for e in agent_events
                                        if e["kind"] == "resize" and e.get("inprocess")}),
               "fallbacks_to_restart": sum(e["kind"].endswith("_fallback") for e in agent_events)}
+    result.update(stalls(rows))
     if any("checksum" in r for r in rows):  # train_inproc.py's trace
         result["worker_processes"] = len({r["pid"] for r in rows})
         result["steps_ranks_disagreed"] = disagreements(rows)
     return result
+
+
+def stalls(rows: list[dict], longer_than_s: float = 0.5) -> dict:
+    """Stretches in which no rank finished a step (time-stamped traces only)."""
+    times = sorted(r["t"] for r in rows if "t" in r)
+    gaps = [later - earlier for earlier, later in zip(times, times[1:])
+            if later - earlier > longer_than_s]
+    if not times:
+        return {}
+    return {"stalls_over_0.5s": len(gaps), "time_in_stalls_s": round(sum(gaps), 1),
+            "longest_stall_s": round(max(gaps, default=0.0), 2)}
 
 
 def disagreements(rows: list[dict]) -> int:
