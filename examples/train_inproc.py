@@ -71,7 +71,7 @@ def main() -> None:
                 if trace:
                     trace.write(json.dumps({
                         "began": step, "rank": ctx.rank, "round": ctx.round,
-                        "epoch": epoch, "indices": indices}) + "\n")
+                        "pid": os.getpid(), "epoch": epoch, "indices": indices}) + "\n")
                 optimizer.zero_grad()
                 batch = torch.tensor(indices, dtype=torch.long)
                 loss_sum = torch.nn.functional.mse_loss(
