@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastic_runner._process import signal_machine
 from elastic_runner.events import read_jsonl
 
 BENCH = Path(__file__).resolve().parent
@@ -32,38 +33,10 @@ _started: list[subprocess.Popen] = []
 
 
 # ---- processes -------------------------------------------------------------------
-def children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        kids.setdefault(ppid, []).append(int(entry))
-    return kids
-
-
-def descendants(pid: int) -> list[int]:
-    kids, out, todo = children_map(), [], [pid]
-    while todo:
-        for child in kids.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
     """The whole node dies: the agent, its process group and every descendant
     (torchrun puts each worker in its own session, so the group alone is not enough)."""
-    for target in [pid, *descendants(pid)]:
-        try:
-            os.kill(target, sig)
-        except ProcessLookupError:
-            pass
+    signal_machine(pid, sig)
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -203,6 +176,12 @@ class Launcher:
         t = time.time()
         kill_tree(self.agents[node].pid)
         self.agents[node].wait(timeout=10)
+        return t
+
+    def freeze(self, node: str) -> float:
+        """The machine freezes: agent and workers stop, their sockets stay open."""
+        t = time.time()
+        kill_tree(self.agents[node].pid, signal.SIGSTOP)
         return t
 
     def sigterm(self, node: str) -> float:

@@ -4,6 +4,7 @@ One job per launcher variant and repeat walks through the same events:
 
   start (N nodes)  ->  SIGKILL a non-host node  ->  a new node joins
   ->  SIGTERM a non-host node  ->  SIGKILL the host node
+  ->  a non-host node freezes (SIGSTOP of its agent and workers: sockets open, no answer)
 
 "host" is the node torchrun's c10d store lives on (the agent listening on the
 rendezvous port) and, for elastic-run, the node of rank 0 (MASTER_ADDR's store).
@@ -17,6 +18,7 @@ its checkpoint) for the next event.
     .venv/bin/python bench/rescale.py              # N=3 x M=1, 2 repeats, ~10 min
     .venv/bin/python bench/rescale.py --nodes 2 --repeats 1 --variants er,tr
     .venv/bin/python bench/rescale.py --repeats 1 --variants er,tr-etcdv2   # needs pip install python-etcd
+    .venv/bin/python bench/rescale.py --repeats 1 --variants er-inproc,tr-noshare --events freeze
 """
 
 from __future__ import annotations
@@ -58,13 +60,15 @@ VARIANTS = {
     # kill for "host node" beyond rank 0's agent.
     "tr-etcdv2": ("torchrun etcd-v2 (etcd 3.5 --enable-v2)", "torchrun-etcd-v2", {}, ()),
 }
-EVENTS = ["start", "sigkill", "join", "sigterm", "host_sigkill"]
+EVENTS = ["start", "sigkill", "join", "sigterm", "host_sigkill", "freeze"]
+NEEDS_TWO = ("sigkill", "sigterm", "host_sigkill", "freeze")  # each must leave a survivor
 DESCR = {
     "start": "start -> first step at full size",
     "sigkill": "SIGKILL non-host node -> first step at smaller size",
     "join": "node joins -> first step at larger size",
     "sigterm": "SIGTERM non-host node -> first step at smaller size",
     "host_sigkill": "SIGKILL host node -> first step at smaller size",
+    "freeze": "SIGSTOP non-host node (agent + workers) -> first step at smaller size",
 }
 
 
@@ -182,7 +186,9 @@ def one_run(key: str, args, etcd_endpoint: str, workdir: Path) -> dict:
         else:
             victim = non_host[0]
             names.remove(victim) if victim in names else None
-            t_ev = job.sigkill(victim) if event == "sigkill" else job.sigterm(victim)
+            signal_victim = {"sigkill": job.sigkill, "sigterm": job.sigterm,
+                             "freeze": job.freeze}[event]
+            t_ev = signal_victim(victim)
             target = (len(alive) - 1) * M
         row, err = wait_world(job, target, t_ev, args.event_timeout)
         # Re-done = steps the old world finished (before the new world's first step,
@@ -198,15 +204,17 @@ def one_run(key: str, args, etcd_endpoint: str, workdir: Path) -> dict:
             except subprocess.TimeoutExpired:
                 pass
             c.kill_tree(victim_proc.pid)
+        if event == "freeze":
+            job.sigkill(victim)  # the frozen machine is gone for good
         if event == "host_sigkill":
             out["survived"] = row is not None
         if row:
             phase_t = row["t"]
         return out
 
-    for event in EVENTS[1:]:
-        if event == "host_sigkill" and len(job.alive()) < 2:
-            # Losing the host must leave a survivor: bring the job back to N nodes first.
+    for event in args.events:
+        if event in NEEDS_TWO and len(job.alive()) < 2:
+            # Losing a node must leave a survivor: bring the job back to N nodes first.
             try:
                 names[:] = [f"n{i}" for i in range(N)]
                 phase_t = restart_fresh("prepare host kill")
@@ -233,7 +241,7 @@ def one_run(key: str, args, etcd_endpoint: str, workdir: Path) -> dict:
 PAUSE_FIELDS = ("pause_s", "new_procs", "sync_bytes", "sync_s")
 
 
-def pause_table(summary: dict, keys: list[str]) -> str:
+def pause_table(summary: dict, keys: list[str], events: list[str]) -> str:
     """Training stood still for (old world's last step -> new world's first), worker
     processes started, and the state moved to bring ranks level (in-process only)."""
     def cell(figures: dict) -> str:
@@ -245,7 +253,7 @@ def pause_table(summary: dict, keys: list[str]) -> str:
             text += (f", {figures['sync_bytes']['median'] / 1e3:.1f} kB in "
                      f"{c.fmt(figures['sync_s'], 's', 3)}")
         return text
-    rows = [[DESCR[ev]] + [cell(summary[k][ev]) for k in keys] for ev in EVENTS[1:]]
+    rows = [[DESCR[ev]] + [cell(summary[k][ev]) for k in keys] for ev in events]
     return ("training pause (last step of the old world -> first of the new, any rank), "
             "worker processes started, state received by ranks that were behind\n"
             + c.table(["event"] + [VARIANTS[k][0] for k in keys], rows))
@@ -312,7 +320,13 @@ def main() -> None:
     ap.add_argument("--lease-ttl", type=int, default=5, help="elastic-run --lease-ttl (its default)")
     ap.add_argument("--settle", type=float, default=2.0, help="elastic-run --settle (its default)")
     ap.add_argument("--floor-repeats", type=int, default=3)
+    ap.add_argument("--events", default=",".join(EVENTS[1:]),
+                    help=f"comma list of {','.join(EVENTS[1:])}, in the order given")
     args = ap.parse_args()
+    args.events = args.events.split(",")
+    unknown = sorted(set(args.events) - set(EVENTS[1:]))
+    if unknown:
+        ap.error(f"unknown event(s) {','.join(unknown)}: choose from {','.join(EVENTS[1:])}")
     from elastic_runner.etcd.server import EmbeddedEtcd
 
     keys = args.variants.split(",")
@@ -362,7 +376,7 @@ def main() -> None:
     if ers and trs:
         headers += [f"{ers[0]}/{t}" for t in trs]
     rows = []
-    for ev in EVENTS:
+    for ev in ["start", *args.events]:
         row = [DESCR[ev]] + [cell(k, ev) for k in keys]
         if ers and trs:
             for t in trs:
@@ -388,7 +402,7 @@ def main() -> None:
                f"{er_best - floor_med:.2f}s" if er_best and floor_med else "")
             + f"\netcd v2: {v2['etcd_v2_api']}; python-etcd: {v2['python_etcd']}"
             + f"\nwall time {time.time() - started:.0f}s")
-    text += "\n\n" + pause_table(summary, keys)
+    text += "\n\n" + pause_table(summary, keys, args.events)
     print("\n" + text)
     path = c.save("rescale", {"args": vars(args), "env": info, "summary": summary,
                               "runs": results, "restart_floor": floor, "etcd_v2": v2,
