@@ -49,9 +49,10 @@ FREEZE_S = (1.0, 8.0)
 
 
 class Soak:
-    def __init__(self, endpoint: str, workdir: Path, seed: int, script: str, freeze: bool):
+    def __init__(self, endpoint: str, workdir: Path, seed: int, script: str, freeze: bool,
+                 nproc: int = 1):
         self.endpoint, self.workdir = endpoint, workdir
-        self.script, self.freeze = script, freeze
+        self.script, self.freeze, self.nproc = script, freeze, nproc
         self.random = random.Random(seed)
         self.agents: dict[str, subprocess.Popen] = {}
         self.frozen: dict[str, float] = {}  # node -> when to thaw it
@@ -63,6 +64,7 @@ class Soak:
         self._next += 1
         command = [sys.executable, "-m", "elastic_runner", "--rdzv-endpoints", self.endpoint,
                    "--run-id", "soak", "--node-id", name, "--min-nodes", "1", "--max-nodes", "5",
+                   "--nproc-per-node", str(self.nproc),
                    "--lease-ttl", str(LEASE_TTL_S), "--settle", "1",
                    "--log-dir", str(self.workdir / "logs"), str(ROOT / SCRIPTS[self.script]),
                    "--samples", str(SAMPLES), "--global-batch", str(BATCH), "--epochs", "100000",
@@ -195,11 +197,12 @@ def main() -> int:
                         help="mlp: the restart path; inproc: er.elastic, re-formed in place")
     parser.add_argument("--no-freeze", dest="freeze", action="store_false",
                         help="no SIGSTOP/SIGCONT of whole nodes")
+    parser.add_argument("--nproc", type=int, default=1, help="workers per node")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, trace)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="elastic-run-soak-"))
     with EmbeddedEtcd() as etcd:
-        soak = Soak(etcd.endpoint, workdir, args.seed, args.script, args.freeze)
+        soak = Soak(etcd.endpoint, workdir, args.seed, args.script, args.freeze, args.nproc)
         started = time.time()
         try:
             for _ in range(3):
@@ -215,6 +218,7 @@ def main() -> int:
                      time.time() - started)
     result["events"] = dict(result["events"])
     result.update(script=SCRIPTS[args.script], freeze=args.freeze, seed=args.seed,
+                  workers_per_node=args.nproc,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cores=os.cpu_count(),
                   workdir="(a temporary folder, kept: printed below)" if args.keep
                   else "(a temporary folder, removed after the run)")
