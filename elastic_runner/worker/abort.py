@@ -167,9 +167,12 @@ class GroupSockets:
                 duplicate = os.dup(fd)
             except OSError:
                 continue  # closed since
+            if not _same_socket(duplicate, link):  # the number now names something else
+                os.close(duplicate)
+                continue
             with socket.socket(fileno=duplicate) as sock:
-                if (not _same_socket(duplicate, link) or sock.family not in _IP
-                        or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                if sock.family not in _IP or sock.getsockopt(socket.SOL_SOCKET,
+                                                             socket.SO_ACCEPTCONN):
                     continue
                 try:
                     sock.shutdown(socket.SHUT_RDWR)

@@ -80,6 +80,20 @@ def test_a_descriptor_number_reused_by_another_socket_is_not_cut(listener):
         other.close()
 
 
+def test_a_descriptor_number_reused_by_a_file_is_left_alone(listener, tmp_path):
+    sockets = GroupSockets()
+    with sockets.capture():
+        first, first_peer = connect(listener)
+    number = first.fileno()
+    first.close()
+    first_peer.close()
+    with open(tmp_path / "file", "wb") as reused:
+        if reused.fileno() != number:
+            pytest.skip("the kernel did not reuse the descriptor number")
+        assert sockets.cut() == 0
+        reused.write(b"still writable")
+
+
 def test_forget_leaves_nothing_to_cut(listener):
     sockets = GroupSockets()
     with sockets.capture():
