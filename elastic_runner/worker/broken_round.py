@@ -51,7 +51,12 @@ class BrokenRoundWatch:
         while not self._done.wait(self._poll_s):
             round_number = self._current_round()
             if self._channel.broken(round_number):
-                cut = self._sockets.cut()
+                try:
+                    cut = self._sockets.cut()
+                except OSError as error:  # the collective then fails or times out as before
+                    log.warning("round %d is broken, but cutting its group failed: %s",
+                                round_number, error)
+                    return
                 log.warning("round %d is broken (a member is lost): cut %d connection(s) "
                             "of its group so that no collective waits for it", round_number,
                             cut)
