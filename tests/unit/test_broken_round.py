@@ -59,13 +59,20 @@ def test_cut_shuts_down_the_connections_opened_while_capturing_and_no_other(list
             sock.close()
 
 
-def test_a_descriptor_number_reused_by_another_socket_is_not_cut(listener):
+def captured_then_closed(listener: socket.socket) -> tuple[GroupSockets, int]:
+    """A GroupSockets that captured one connection, since closed; its descriptor number
+    (the lowest free one: the next descriptor opened reuses it)."""
     sockets = GroupSockets()
     with sockets.capture():
         first, first_peer = connect(listener)
     number = first.fileno()
     first.close()
     first_peer.close()
+    return sockets, number
+
+
+def test_a_descriptor_number_reused_by_another_socket_is_not_cut(listener):
+    sockets, number = captured_then_closed(listener)
     other = socket.socket()
     try:
         if other.fileno() != number:
@@ -81,12 +88,7 @@ def test_a_descriptor_number_reused_by_another_socket_is_not_cut(listener):
 
 
 def test_a_descriptor_number_reused_by_a_file_is_left_alone(listener, tmp_path):
-    sockets = GroupSockets()
-    with sockets.capture():
-        first, first_peer = connect(listener)
-    number = first.fileno()
-    first.close()
-    first_peer.close()
+    sockets, number = captured_then_closed(listener)
     with open(tmp_path / "file", "wb") as reused:
         if reused.fileno() != number:
             pytest.skip("the kernel did not reuse the descriptor number")
