@@ -120,8 +120,9 @@ class Soak:
                 os.killpg(process.pid, signal.SIGKILL)
 
 
-def effective_rows(trace: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(every step row, the rows that count): each step counts in the last round
+def effective_rows(trace: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(every step row, the rows that count, the work begun: "began" lines where the
+    trace has them, else the step rows): each step counts in the last round
     that completed it. train_inproc.py also logs what each rank began a step with:
     where present, those of that round count, since a rank that lost its peer after
     the step's last all-reduce reached the others never logs the step, yet the
@@ -132,14 +133,14 @@ def effective_rows(trace: list[dict]) -> tuple[list[dict], list[dict]]:
         last_round[row["step"]] = max(last_round.get(row["step"], -1), row["round"])
     began = [r for r in trace if "began" in r]
     if not began:
-        return rows, [r for r in rows if r["round"] == last_round[r["step"]]]
+        return rows, [r for r in rows if r["round"] == last_round[r["step"]]], rows
     return rows, [{**r, "step": r["began"]} for r in began
-                  if r["round"] == last_round.get(r["began"])]
+                  if r["round"] == last_round.get(r["began"])], began
 
 
 def analyse(trace: list[dict], events: list[dict], agent_events: list[dict],
             duration: float) -> dict:
-    rows, effective = effective_rows(trace)
+    rows, effective, begun = effective_rows(trace)
     epochs = sorted({r["epoch"] for r in effective})
     complete = epochs[:-1]  # the last one was cut by the end of the soak
     lost = duplicated = 0
@@ -148,7 +149,6 @@ def analyse(trace: list[dict], events: list[dict], agent_events: list[dict],
         lost += SAMPLES - len(seen)
         duplicated += sum(count - 1 for count in seen.values())
     useful = sum(len(r["indices"]) for r in effective)
-    begun = [r for r in trace if "began" in r] or rows  # work begun, counted once
     total = sum(len(r["indices"]) for r in begun)
     resizes = {e["round"] for e in agent_events if e["kind"] == "resize"}
     trained_rounds = {r["round"] for r in rows}

@@ -138,13 +138,15 @@ class ReformChannel:
 
     # ---- a worker's half -------------------------------------------------------------
     def pause_asked(self, round_number: int) -> bool:
-        record = _read(self._pause_file())
-        return record is not None and record.get("round") == round_number
+        return self._pause_request(round_number) is not None
 
     def broken(self, round_number: int) -> bool:
+        request = self._pause_request(round_number)
+        return request is not None and request.get("broken") is True
+
+    def _pause_request(self, round_number: int) -> dict | None:
         record = _read(self._pause_file())
-        return record is not None and record.get("round") == round_number \
-            and record.get("broken") is True
+        return record if record is not None and record.get("round") == round_number else None
 
     def assignment(self, local_rank: int) -> Assignment | None:
         record = _read(self._assignment_file(local_rank))
