@@ -32,8 +32,9 @@ Choices written down here (today's behaviour, kept):
   the next plan's first member does not open a round for it while its key lives
   on (`left_out_on_suspicion`): a dead node would only hold that round open
   until its lease expired. Alive, it finds itself outside the plan and opens the
-  next round itself, exactly as a newcomer does (`outsider_action`). Until its key
-  goes (or it joins a round), no later round waits for it at all
+  next round itself, exactly as a newcomer does (`outsider_action`), and that
+  round waits for it (`round_opener`). Until its key goes (or it joins or opens
+  a round), no later round waits for it at all
   (`RoundLook.suspects`): alive, it would have come back through a round of its
   own, and otherwise a resize soon after (a join, a notice) would wait out the
   lease of a node that has long been left behind.
@@ -112,17 +113,34 @@ def has_room(plan: p.Plan, nproc: int, max_nodes: int, max_workers: int) -> bool
 STANDBY_WAIT_S = 1.0
 
 
-def outsider_action(room: bool, own_wait: float) -> Action:
-    """What a node outside a closed plan does: stand by, wait, or open a round.
+def outsider_action(room: bool, own_wait: float, node_id: str) -> Action:
+    """What node `node_id`, outside a closed plan, does: stand by, wait, or open a round.
 
     `own_wait`: newcomer_wait on this node's clock. The plan's first
     member usually opens the round sooner (newcomers.py); this is the backup.
+    The round it opens names it (`round_opener`).
     """
     if not room:
         return Action(Act.WAIT, wait_s=STANDBY_WAIT_S)
     if own_wait > 0:
         return Action(Act.WAIT, wait_s=own_wait)
-    return Action(Act.OPEN_NEXT, p.Cause(p.CauseKind.NEWCOMER))
+    return Action(Act.OPEN_NEXT, p.Cause.newcomer(node_id))
+
+
+def round_opener(cause: p.Cause) -> frozenset[str]:
+    """The outsider that opened a round itself, if one did.
+
+    A node left out on suspicion that is alive opens its own round (nobody else
+    does: see the module docstring); until it joins, every deputy still counts it
+    among the `suspects`, which no round waits for. Opening and joining are two
+    writes, so the members could join and close that very round in between, and
+    the node would open yet another one (seen on a loaded 2-core CI machine: a
+    round of the same two members, then the third). The opener has just shown it
+    is alive: its own round waits for it like any live newcomer.
+    """
+    if cause.kind is p.CauseKind.NEWCOMER and cause.detail:
+        return frozenset((cause.detail,))
+    return frozenset()
 
 
 # ---- waits, on the deciding agent's own clock (protocol.py says why) -------------

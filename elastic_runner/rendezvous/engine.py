@@ -368,7 +368,7 @@ class EtcdRendezvous(WhileRunning):
             return None  # a deputy outside the plan still sees a member go
         room = self.newcomers.has_room(plan, self._config.nproc)
         wait = self.newcomers.own_wait(self._registered_at) if room else 0.0
-        action = d.outsider_action(room, wait)
+        action = d.outsider_action(room, wait, self.node_id)
         if action.act is d.Act.WAIT:
             return action.wait_s
         self.open_next(seen, action.cause)
@@ -420,12 +420,12 @@ class EtcdRendezvous(WhileRunning):
         elif now >= deadline:
             raise self._too_few(len(joined))
         previous = self.plan(number - 1) if number > 0 else None
+        cause = p.Cause.parse(seen.state.cause)
         look = d.RoundLook(joined, workers, self.newcomers.registered(),
                            previous.node_ids if previous else None,
                            self._min_met_at.get(number), opened_at, deadline,
-                           suspected=p.Cause.parse(seen.state.cause).kind
-                           is p.CauseKind.MEMBER_SUSPECTED,
-                           suspects=self.newcomers.left_out.live())
+                           suspected=cause.kind is p.CauseKind.MEMBER_SUSPECTED,
+                           suspects=self.newcomers.left_out.live() - d.round_opener(cause))
         deputies = self.deputies.holders()
         closer = d.elect_closer([(p.node_id_from_key(kv.key), kv.create_revision)
                                  for kv in joins if p.node_id_from_key(kv.key) in deputies]

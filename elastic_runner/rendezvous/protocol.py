@@ -224,6 +224,12 @@ class Cause:
         return Cause(CauseKind.MEMBER_LOST, ",".join(nodes))
 
     @staticmethod
+    def newcomer(opener: str = "") -> "Cause":
+        """A round for nodes outside the plan; `opener` names the outsider that opened
+        it itself (empty when a member opened it): decisions.round_opener says why."""
+        return Cause(CauseKind.NEWCOMER, opener)
+
+    @staticmethod
     def member_suspected(observer: str, what: str) -> "Cause":
         """A survivor's evidence: `observer` (node, rank) saw `what` (a failed collective)."""
         return Cause(CauseKind.MEMBER_SUSPECTED, f"{observer}: {what}" if what else observer)

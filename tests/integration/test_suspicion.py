@@ -118,8 +118,9 @@ def held_by_all(agents: list[Agent], number: int, timeout_s: float = 30) -> p.Pl
         if all(plan is not None and plan.round == number for plan in plans):
             assert len({plan.to_json() for plan in plans}) == 1  # one plan, not several
             return plans[0]
-        newest = [(plan.round, plan.node_ids) if plan else None for plan in plans]
-        assert time.monotonic() < deadline, f"no agreement on round {number}: {newest}"
+        history = [[(plan.round, plan.node_ids, plan.cause) for plan in agent.plans]
+                   for agent in agents]
+        assert time.monotonic() < deadline, f"no agreement on round {number}: {history}"
         time.sleep(0.02)
 
 
@@ -151,6 +152,32 @@ def test_a_silent_member_is_left_out_after_the_grace_and_gets_back_in(agents):
     assert grown.node_ids == (*survivors, "c")
     assert p.Cause.parse(grown.cause).kind is p.CauseKind.NEWCOMER
     assert grown.restart_count == 0
+
+
+def test_the_round_a_left_out_member_opens_waits_for_it(agents):
+    """Opening a round and joining it are two writes. c, left out on suspicion, opens
+    round 2; a and b join it before c does (on a loaded 2-core CI machine they did).
+    Round 2 must wait for c, not close with a and b alone and leave c to open a
+    third round that re-forms the job again."""
+    a, b, c = agents("opener", "a", "b", "c")
+    start = held_by_all([a, b, c], 0)
+    c.hang()
+    a.rdzv.suspect(start, suspicion(a))
+    shrunk = held_by_all([a, b], 1)
+    assert c.rdzv.open_next(c.rdzv.current_round(), p.Cause.newcomer("c"))  # c's open, no join
+    joins = p.join_prefix(a.rdzv.prefix, 2)
+    deadline = time.monotonic() + 30
+    while {p.node_id_from_key(kv.key) for kv in a.rdzv.mirror.children(joins)} != {"a", "b"}:
+        assert time.monotonic() < deadline, "a and b never joined round 2"
+        time.sleep(0.02)
+    held_open = time.monotonic() + 1.0  # far past the moment a closer acts on a full join
+    while time.monotonic() < held_open:
+        assert a.rdzv.plan(2) is None, "round 2 closed without the node that opened it"
+        time.sleep(0.02)
+    c.resume()  # its join
+    grown = held_by_all([a, b, c], 2)
+    assert grown.node_ids == (*shrunk.node_ids, "c")
+    assert p.Cause.parse(grown.cause) == p.Cause.newcomer("c")
 
 
 def test_a_suspicion_where_everyone_is_alive_drops_nobody(agents):

@@ -152,9 +152,10 @@ def test_a_node_with_room_is_taken_by_the_next_plan(members, nproc, max_nodes, m
 
 
 def test_outsider_action():
-    assert d.outsider_action(False, 0.0) == d.Action(d.Act.WAIT, wait_s=d.STANDBY_WAIT_S)
-    assert d.outsider_action(True, 1.5) == d.Action(d.Act.WAIT, wait_s=1.5)
-    assert d.outsider_action(True, 0.0) == d.Action(d.Act.OPEN_NEXT, p.Cause(K.NEWCOMER))
+    assert d.outsider_action(False, 0.0, "n") == d.Action(d.Act.WAIT, wait_s=d.STANDBY_WAIT_S)
+    assert d.outsider_action(True, 1.5, "n") == d.Action(d.Act.WAIT, wait_s=1.5)
+    assert d.outsider_action(True, 0.0, "n") == d.Action(d.Act.OPEN_NEXT,
+                                                          p.Cause(K.NEWCOMER, "n"))
 
 
 # ---- the closer: one is elected, the others are backups --------------------------------
@@ -482,3 +483,21 @@ def test_a_later_round_does_not_wait_for_a_node_left_out_on_suspicion():
     # Without the memory, the same round waits for c (settle, up to --settle-max).
     inputs, _ = d.close_inputs(dataclasses.replace(view, suspects=frozenset()), 5.0, SUSPECT)
     assert not inputs.all_live_joined and not p.may_close(inputs)
+
+
+def test_the_round_a_suspect_opens_itself_waits_for_it():
+    """c, left out on suspicion and alive, opened round 2 itself; the members joined
+    it before c did (two writes apart). Counting c as a suspect there closed the
+    round with the same two members and made c open a third."""
+    assert d.round_opener(p.Cause.newcomer("c")) == {"c"}
+    assert d.round_opener(p.Cause.newcomer()) == frozenset()  # a member opened it
+    assert d.round_opener(p.Cause.member_suspected("c", "x")) == frozenset()
+    assert d.round_opener(p.Cause.parse(p.Cause.newcomer("c").text())) == {"c"}  # as etcd holds it
+    registered = {"a": 0.0, "b": 0.0, "c": 0.0}
+    opened = p.Cause.parse(d.outsider_action(True, 0.0, "c").cause.text())
+    view = d.RoundLook(frozenset({"a", "b"}), 2, registered, ("a", "b"), 0.1, 0.0, 100.0,
+                       suspects=frozenset({"c"}) - d.round_opener(opened))
+    inputs, _ = d.close_inputs(view, 0.2, SUSPECT)
+    assert not inputs.all_live_joined and not p.may_close(inputs)  # waits for c
+    joined = dataclasses.replace(view, joined=frozenset(registered), workers=3)
+    assert p.may_close(d.close_inputs(joined, 0.2, SUSPECT)[0])
