@@ -117,7 +117,8 @@ class Soak:
     def stop(self) -> None:
         for process in self.agents.values():
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
+                signal_machine(process.pid, signal.SIGKILL)
+                process.wait()
 
 
 def effective_rows(trace: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
@@ -188,19 +189,14 @@ def disagreements(rows: list[dict]) -> int:
     return sum(len(found) > 1 for found in sums.values())
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=600)
-    parser.add_argument("--interval", type=float, default=15, help="mean seconds between faults")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--script", choices=sorted(SCRIPTS), default="mlp",
-                        help="mlp: the restart path; inproc: er.elastic, re-formed in place")
-    parser.add_argument("--no-freeze", dest="freeze", action="store_false",
-                        help="no SIGSTOP/SIGCONT of whole nodes")
-    parser.add_argument("--nproc", type=int, default=1, help="workers per node")
-    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, trace)")
-    args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="elastic-run-soak-"))
+def _unwind_on_sigterm(signum, frame):
+    """A `kill` or `timeout` unwinds like Ctrl-C: the `finally`s stop the agents and
+    etcd (Python's default for SIGTERM ends at once and left them all running)."""
+    sys.exit(128 + signum)
+
+
+def run(args: argparse.Namespace, workdir: Path) -> tuple[Soak, float]:
+    """Start three nodes on an embedded etcd and strike until the duration is up."""
     with EmbeddedEtcd() as etcd:
         soak = Soak(etcd.endpoint, workdir, args.seed, args.script, args.freeze, args.nproc)
         started = time.time()
@@ -213,6 +209,29 @@ def main() -> int:
                     soak.strike()
         finally:
             soak.stop()
+    return soak, started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=600)
+    parser.add_argument("--interval", type=float, default=15, help="mean seconds between faults")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--script", choices=sorted(SCRIPTS), default="mlp",
+                        help="mlp: the restart path; inproc: er.elastic, re-formed in place")
+    parser.add_argument("--no-freeze", dest="freeze", action="store_false",
+                        help="no SIGSTOP/SIGCONT of whole nodes")
+    parser.add_argument("--nproc", type=int, default=1, help="workers per node")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, trace)")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, _unwind_on_sigterm)
+    workdir = Path(tempfile.mkdtemp(prefix="elastic-run-soak-"))
+    try:
+        soak, started = run(args, workdir)
+    except BaseException:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
     agent_events = read_events(workdir / "logs" / EVENTS_FILE)
     result = analyse(read_jsonl(workdir / "trace.jsonl"), soak.events, agent_events,
                      time.time() - started)
