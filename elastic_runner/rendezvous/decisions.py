@@ -408,6 +408,7 @@ def plan_change(plan_round: int, state: p.RoundState | None,
 
 
 def lost_members(plan: p.Plan, live: Iterable[str]) -> tuple[str, ...]:
-    """Members of `plan` without a live node key, in plan order."""
+    """Members of `plan` not among `live` (those whose join of its round lives on),
+    in plan order."""
     alive = set(live)
     return tuple(node for node in plan.node_ids if node not in alive)

@@ -204,10 +204,6 @@ class EtcdRendezvous(WhileRunning):
         return [self._decode(kv, lambda kv: p.Joiner.from_json(kv.value, kv.create_revision))
                 for kv in self.mirror.children(p.join_prefix(self.prefix, number))]
 
-    def _live_nodes(self) -> set[str]:
-        return {p.node_id_from_key(kv.key)
-                for kv in self.mirror.children(p.nodes_prefix(self.prefix))}
-
     def _decode(self, kv, parse):
         cached = self._decoded.get(kv.key)
         if cached is not None and cached[0] == kv.mod_revision:
@@ -359,6 +355,10 @@ class EtcdRendezvous(WhileRunning):
         plan = self.plan(seen.state.number)
         if plan is None:
             return 0.1  # our copy lags the closing transaction by a moment
+        if plan.member(self.node_id) and not self._has_joined(plan.round):
+            # A new agent under a member's id (its old lease gone): that member is lost.
+            self.open_next(seen, p.Cause.member_lost((self.node_id,)))
+            return None
         if plan.member(self.node_id):
             if self.mirror.wide:  # only deputies decide on whom it left out
                 self.newcomers.left_out.note(plan,

@@ -15,6 +15,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+from elastic_runner.etcd.client import Get, mod_revision_is
 from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
 
@@ -110,14 +111,25 @@ class WhileRunning:
         return self._members_lost(seen, plan) or self._open_for_newcomers(seen, plan)
 
     def _members_lost(self, seen: RoundView, plan: p.Plan) -> p.Cause | None:
-        """A deputy opens the next round once a member of `plan` lost its node key."""
+        """A deputy opens the next round once a member of `plan` lost the lease it
+        joined with.
+
+        Why its join, not its node key: both live under the lease the member joined
+        `plan`'s round with, but an agent whose lease expired (a stall a little past
+        --lease-ttl) registers again at once under a new one. Its node key is back
+        within milliseconds, often before a deputy looks, while the member `plan`
+        holds is gone: its agent has stopped its workers, and the others waited for
+        them (a round being formed waited out its formation timeout, 6 s in a soak).
+        The join of `plan`'s round only comes back by joining that round again,
+        which a closed round does not allow.
+        """
         departures = self.mirror.census(p.nodes_prefix(self.prefix))[1]
         # Skipped while no node key was deleted since every member was seen live.
         if self._members_checked == (plan.round, departures):
             return None
-        lost = d.lost_members(plan, self._live_nodes())
+        lost = d.lost_members(plan, self._joined_nodes(plan.round))
         if lost:
-            lost = self._confirm_lost(lost)
+            lost = self._confirm_lost(seen, plan.round, lost)
         if lost:
             cause = p.Cause.member_lost(lost)
             self.open_next(seen, cause)
@@ -137,19 +149,29 @@ class WhileRunning:
             return None
         return cause
 
-    def _confirm_lost(self, lost: tuple[str, ...]) -> tuple[str, ...]:
+    def _joined_nodes(self, number: int) -> set[str]:
+        return {p.node_id_from_key(kv.key)
+                for kv in self.mirror.children(p.join_prefix(self.prefix, number))}
+
+    def _confirm_lost(self, seen: RoundView, number: int,
+                      lost: tuple[str, ...]) -> tuple[str, ...]:
         """Members our copy misses that etcd still has mean the copy is wrong: re-read it.
 
         One read per suspected loss (rare): tearing down a running job because a
-        watch dropped events would cost every node a restart.
+        watch dropped events would cost every node a restart. Read only while the
+        round key is still `seen`: once the next round opened, each member's join of
+        this one goes as it joins the next, which is no loss.
         """
-        kvs, _ = self._client.get_prefix(p.nodes_prefix(self.prefix))
-        registered = {p.node_id_from_key(kv.key) for kv in kvs}
-        if not registered & set(lost):
+        result = self._client.txn([mod_revision_is(p.round_key(self.prefix), seen.mod_revision)],
+                                  [Get(p.join_prefix(self.prefix, number), prefix=True)])
+        if not result.succeeded:
+            return ()  # the round moved on: the next look reads why
+        joined = {p.node_id_from_key(kv.key) for kv in result.reads[0].kvs}
+        if not joined & set(lost):
             return lost
-        log.warning("our copy of etcd missed %d live node(s); reading it again",
-                    len(registered & set(lost)))
+        log.warning("our copy of etcd missed %d member(s)' join; reading it again",
+                    len(joined & set(lost)))
         self.mirror.resync()
         self._last_look = None
-        return tuple(node for node in lost if node not in registered)
+        return tuple(node for node in lost if node not in joined)
 

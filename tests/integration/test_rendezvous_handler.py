@@ -58,12 +58,13 @@ def test_a_copy_that_missed_a_node_is_read_again_not_taken_for_a_loss(node):
     nodes = [node("resync", f"r{i}", 4) for i in range(2)]
     plan = wait_for_agreement(nodes, 2)
     observer = nodes[0].rdzv
-    other_key = f"{observer.prefix}nodes/r1"
-    with observer.mirror._changed:  # as if the watch never delivered r1's registration
-        observer.mirror._drop(other_key)
-    assert observer.mirror.get(other_key) is None
+    other_keys = (p.node_key(observer.prefix, "r1"), p.join_key(observer.prefix, plan.round, "r1"))
+    with observer.mirror._changed:  # as if the watch never delivered r1's writes
+        for key in other_keys:
+            observer.mirror._drop(key)
+    assert observer.mirror.get(other_keys[1]) is None
     assert observer.change_reason(plan) is None
-    assert observer.mirror.get(other_key) is not None
+    assert all(observer.mirror.get(key) is not None for key in other_keys)
     assert observer.current_round().state.number == plan.round  # no round was opened
     assert all(n.plans[-1].round == plan.round for n in nodes)
 

@@ -1,5 +1,7 @@
 """Suspicion against a real etcd (issue 15): a survivor's failed collective opens the
-next round at once, and the round does not wait for the dead node's lease.
+next round at once, and the round does not wait for the dead node's lease. Also how
+a member's loss is seen when its id is registered again at once (a stall just past
+the lease, an agent restarted by a supervisor).
 
 A SIGKILLed node is simulated by a node that stops taking part (its agent loop
 ends) while its lease is kept alive and is long (30 s): lease expiry can never
@@ -258,3 +260,55 @@ def test_a_join_after_a_suspicion_does_not_wait_for_the_left_out_nodes_lease(age
     assert grown.node_ids == (*shrunk.node_ids, "d")
     assert p.Cause.parse(grown.cause).kind is p.CauseKind.NEWCOMER
     assert c.rdzv.mirror.get(p.node_key(c.rdzv.prefix, "c")) is not None  # still live
+
+
+def test_an_agent_started_again_under_a_members_id_takes_a_new_round_not_the_old_plan(agents):
+    """c's agent crashed and a supervisor started it again at once: the new agent waits
+    out the dead one's lease, registers, and finds round 0's plan naming "c". That
+    member was the dead agent, whose workers are gone; taking its plan would give the
+    new agent ranks in a group that has no place for it. It opens a round for the
+    loss itself, even while no deputy looks (a and b are stopped here)."""
+    ttl = {"lease_ttl_s": 2}
+    a, b, c = agents("again", "a", "b", "c", **ttl)
+    start = held_by_all([a, b, c], 0)
+    for agent in (a, b, c):
+        agent.hang()
+    c.rdzv.lease.stop()  # no keep-alive, no revoke: as after SIGKILL
+    c.rdzv.mirror.stop()
+    (again,) = agents("again", "c", **ttl)  # registers once the dead lease is gone
+    deadline = time.monotonic() + 30
+    while (seen := a.rdzv.current_round()).state.number == start.round:
+        assert again.error is None and time.monotonic() < deadline, "no round opened for c"
+        time.sleep(0.02)
+    assert p.Cause.parse(seen.state.cause) == p.Cause.member_lost(["c"])
+    assert again.plans == []  # it never took round 0's plan
+    a.resume(), b.resume()
+    grown = held_by_all([a, b, again], 1)
+    assert set(grown.node_ids) == {"a", "b", "c"}
+
+
+def test_a_deputy_sees_a_member_lost_though_its_id_registered_again(agents, etcd):
+    """The dead member's key is gone and back (a new agent under its id) before any
+    deputy looks. The node key alone says nothing changed; the member's join of the
+    plan's round, under the dead lease, is gone for good: a deputy opens the round."""
+    ttl = {"lease_ttl_s": 2}
+    a, b, c = agents("seen", "a", "b", "c", **ttl)
+    start = held_by_all([a, b, c], 0)
+    for agent in (a, b, c):
+        agent.hang()
+    c.rdzv.lease.stop()  # as after SIGKILL
+    c.rdzv.mirror.stop()
+    again = Agent(etcd.endpoint, "seen", "c", **ttl)
+    try:
+        again.rdzv.register()  # its key is back; its loop does not run yet
+        a.resume(), b.resume()
+        deadline = time.monotonic() + 30
+        while (seen := a.rdzv.current_round()).state.number == start.round:
+            assert time.monotonic() < deadline, "no deputy opened a round for c"
+            time.sleep(0.02)
+        assert p.Cause.parse(seen.state.cause) == p.Cause.member_lost(["c"])
+        again._run(None)
+        grown = held_by_all([a, b, again], 1)
+        assert set(grown.node_ids) == {"a", "b", "c"}
+    finally:
+        again.close()
