@@ -118,10 +118,10 @@ class WhileRunning:
         `plan`'s round with, but an agent whose lease expired (a stall a little past
         --lease-ttl) registers again at once under a new one. Its node key is back
         within milliseconds, often before a deputy looks, while the member `plan`
-        holds is gone: its agent has stopped its workers, and the others waited for
-        them (a round being formed waited out its formation timeout, 6 s in a soak).
-        The join of `plan`'s round only comes back by joining that round again,
-        which a closed round does not allow.
+        holds is gone: its agent has stopped its workers, and the others would wait
+        for them (a round being formed, for its whole formation timeout). The join
+        of `plan`'s round only comes back by joining that round again, which a
+        closed round does not allow.
         """
         departures = self.mirror.census(p.nodes_prefix(self.prefix))[1]
         # Skipped while no node key was deleted since every member was seen live.
