@@ -144,7 +144,7 @@ class WhileRunning:
         a burst (after the settle quiet) on its own clock; see newcomers.py.
         """
         wait = self.newcomers.members_wait(plan)
-        cause = p.Cause(p.CauseKind.NEWCOMER)
+        cause = p.Cause.newcomer()  # a member opens it: no opener named
         if wait is None or wait > 0 or not self.open_next(seen, cause):
             return None
         return cause
