@@ -412,3 +412,27 @@ def lost_members(plan: p.Plan, live: Iterable[str]) -> tuple[str, ...]:
     in plan order."""
     alive = set(live)
     return tuple(node for node in plan.node_ids if node not in alive)
+
+
+def newcomers_wait_after(plan_round: int, state: p.RoundState | None) -> bool:
+    """Is the round after `plan_round` open for newcomers only (so far)?
+
+    Its members go on forming or training (a newcomer is taken in at a step
+    boundary), which is right only while every member of the plan is alive.
+    """
+    return (state is not None and state.number == plan_round + 1 and state.state == p.OPEN
+            and p.Cause.parse(state.cause).kind is p.CauseKind.NEWCOMER)
+
+
+def gone_since_plan(plan: p.Plan, created: Mapping[str, int], plan_created: int) -> tuple[str, ...]:
+    """Members of `plan` whose node key is gone or younger than the plan, in plan order.
+
+    `created`: each member's node key create revision (0 or absent: no key);
+    `plan_created`: the plan key's. Every member registered before it joined the
+    plan's round, so a key created after the plan is a new agent under the id
+    (the one the plan holds lost its lease: a stall just past --lease-ttl, a
+    supervisor's restart). Asked while the next round is open, when the members'
+    joins of the plan's round are no guide: each goes as its member joins anew.
+    """
+    return tuple(node for node in plan.node_ids
+                 if not created.get(node) or created[node] > plan_created)

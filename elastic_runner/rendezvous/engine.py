@@ -89,7 +89,7 @@ class EtcdRendezvous(WhileRunning):
         self._last_look: d.LastLook | None = None
         self._closable_since: dict[int, float] = {}
         self._lagging_since: dict[int, float] = {}
-        self._members_checked: tuple[int, int] | None = None
+        self._members_checked: tuple | None = None  # running.py: what was last found whole
         # (round, lease) of our last join: a non-deputy's copy holds no join keys.
         self._joined: tuple[int, int] | None = None
         self._registered_at = clock()

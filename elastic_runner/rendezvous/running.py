@@ -104,6 +104,8 @@ class WhileRunning:
                                self.lease.lost.is_set())
         if change is d.Watch.HOLDS:
             return None
+        if isinstance(change, p.Cause) and d.newcomers_wait_after(plan.round, seen.state):
+            return self._members_gone_meanwhile(seen, plan) or change
         if change is not d.Watch.MEMBERS:
             return change
         if not self.deputies.ensure(self.lease.id):
@@ -136,6 +138,58 @@ class WhileRunning:
             return cause
         self._members_checked = (plan.round, departures)
         return None
+
+    def _members_gone_meanwhile(self, seen: RoundView, plan: p.Plan) -> p.Cause | None:
+        """A deputy marks the round open for newcomers after `plan` as one that lost
+        a member, once a member of `plan` is gone or back under a new lease.
+
+        Why: a newcomer round does not stop the plan's members (they form the
+        plan's group, or train, and take the newcomer in afterwards), so a member
+        lost meanwhile left the others waiting for its workers: a group being
+        formed waited out the whole formation timeout (6 s in a chaos soak). No
+        deputy looks at members once a later round opened, and the others see only
+        the round key: its cause, now member-lost, tells them to stop. The round
+        stays open with the joins it has.
+        """
+        if not self.deputies.ensure(self.lease.id):
+            return None
+        looked = ("newcomer round", seen.mod_revision,
+                  self.mirror.census(p.nodes_prefix(self.prefix)))
+        plan_kv = self.mirror.get(p.plan_key(self.prefix, plan.round))
+        if plan_kv is None or self._members_checked == looked:
+            return None
+        created = {node: getattr(self.mirror.get(p.node_key(self.prefix, node)),
+                                 "create_revision", 0) for node in plan.node_ids}
+        gone = d.gone_since_plan(plan, created, plan_kv.create_revision)
+        if gone:
+            gone = self._confirm_gone(seen, plan, plan_kv.create_revision, gone)
+        if not gone:
+            self._members_checked = looked
+            return None
+        cause = p.Cause.member_lost(gone)
+        if not self._cas_round(seen, p.RoundState(seen.state.number, p.OPEN, cause.text())):
+            return None  # the round moved on: the next look reads why
+        log.warning("round %d, open for newcomers, lost member(s) %s of round %d",
+                    seen.state.number, ", ".join(gone), plan.round)
+        return cause
+
+    def _confirm_gone(self, seen: RoundView, plan: p.Plan, plan_created: int,
+                      gone: tuple[str, ...]) -> tuple[str, ...]:
+        """`gone` as etcd has it, while the round key is still `seen` (one read, rare)."""
+        result = self._client.txn(
+            [mod_revision_is(p.round_key(self.prefix), seen.mod_revision)],
+            [Get(p.node_key(self.prefix, node)) for node in gone])
+        if not result.succeeded:
+            return ()
+        created = {node: read.kvs[0].create_revision
+                   for node, read in zip(gone, result.reads) if read.kvs}
+        confirmed = d.gone_since_plan(plan, created, plan_created)
+        confirmed = tuple(node for node in confirmed if node in gone)
+        if confirmed != gone:
+            log.warning("our copy of etcd was wrong about %d member(s)' node key; "
+                        "reading it again", len(gone) - len(confirmed))
+            self.mirror.resync()
+        return confirmed
 
     def _open_for_newcomers(self, seen: RoundView, plan: p.Plan) -> p.Cause | None:
         """The plan's first member opens the next round once a newcomer is due.

@@ -312,3 +312,40 @@ def test_a_deputy_sees_a_member_lost_though_its_id_registered_again(agents, etcd
         assert set(grown.node_ids) == {"a", "b", "c"}
     finally:
         again.close()
+
+
+def test_a_member_lost_while_a_newcomer_round_is_open_stops_the_others(agents, etcd):
+    """Round 1 is open for a newcomer when c's lease goes and its id registers again
+    (a stall just past the lease). A newcomer round does not stop the plan's members
+    (they form its group, or train, and take the newcomer in later), so nothing told
+    a and b that c's workers would never come: in a chaos soak they waited out the
+    formation timeout. A deputy marks round 1 as having lost c; the round key then
+    tells every member, and the round still closes, with the new c in it."""
+    ttl = {"lease_ttl_s": 2, "max_nodes": 4}
+    a, b, c = agents("meanwhile", "a", "b", "c", **ttl)
+    start = held_by_all([a, b, c], 0)
+    for agent in (a, b, c):
+        agent.hang()
+    assert a.rdzv.open_next(a.rdzv.current_round(), p.Cause.newcomer())
+    assert a.rdzv.change_reason(start) == p.Cause.newcomer()  # all alive: only a newcomer
+    planned = a.client.get(p.plan_key(a.rdzv.prefix, start.round)).create_revision
+    c.rdzv.lease.stop()  # as after a stall past the lease
+    c.rdzv.mirror.stop()
+    again = Agent(etcd.endpoint, "meanwhile", "c", **ttl)
+    try:
+        again.rdzv.register()  # its key is back before any deputy looks
+        key = p.node_key(a.rdzv.prefix, "c")
+        deadline = time.monotonic() + 10
+        while getattr(a.rdzv.mirror.get(key), "create_revision", 0) <= planned:
+            assert time.monotonic() < deadline, "a's copy never showed c's new key"
+            time.sleep(0.02)
+        assert a.rdzv.change_reason(start) == p.Cause.member_lost(["c"])
+        seen = b.rdzv.current_round()
+        assert seen.state == p.RoundState(1, p.OPEN, "member-lost: c")  # still open
+        assert b.rdzv.change_reason(start) == p.Cause.member_lost(["c"])
+        a.resume(), b.resume()
+        again._run(None)
+        grown = held_by_all([a, b, again], 1)
+        assert set(grown.node_ids) == {"a", "b", "c"}
+    finally:
+        again.close()
