@@ -24,6 +24,7 @@ its checkpoint) for the next event.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -291,10 +292,10 @@ def restart_floor(args, workdir: Path, world: int) -> dict:
 def etcd_v2_check() -> dict:
     from elastic_runner.etcd.server import EmbeddedEtcd
     info = {}
-    try:
-        import etcd  # noqa: F401  python-etcd, which torch's etcd/etcd-v2 backends import
+    # python-etcd ("etcd"), which torch's etcd/etcd-v2 backends import
+    if importlib.util.find_spec("etcd") is not None:
         info["python_etcd"] = "installed"
-    except ImportError:
+    else:
         info["python_etcd"] = "not installed (torch's etcd-v2 backend imports it: skipped)"
     try:
         with EmbeddedEtcd(extra_args=("--enable-v2",)) as e:
