@@ -296,9 +296,10 @@ class Reformer:
             if store is None:
                 return self._called_off_before_forming(assignment)
             with capturing_sockets(self.context.backend):
+                init_timeout_s = formation.init_timeout_s(self.context.backend, timeout_s)
                 dist.init_process_group(self.context.backend, store=store,
                                         rank=assignment.rank, world_size=assignment.world_size,
-                                        timeout=datetime.timedelta(seconds=timeout_s))
+                                        timeout=datetime.timedelta(seconds=init_timeout_s))
         except Exception as error:  # noqa: BLE001 - every way of failing is told to the agent
             first_line = collective_failure(error)
             if first_line is None:

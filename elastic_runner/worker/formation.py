@@ -35,6 +35,13 @@ if TYPE_CHECKING:
 CONNECT_ATTEMPT_S = 0.5
 # How often a rank counts who has arrived.
 ARRIVAL_POLL_S = 0.02
+# gloo waits this many times a group's timeout for a peer's first connection
+# (gloo/transport/tcp/pair.h, Pair::waitUntil: "a longer timeout when waiting for
+# initial connect"), and once the timeout for its address in the store.
+GLOO_CONNECT_FACTOR = 5
+# The shortest timeout a group is formed with: the store waits inside gloo's connect
+# only cover the moment between meet() and each peer posting its address.
+MIN_INIT_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,23 @@ def form_first_group(backend: str, timeout_s: float, round_number: int, rank: in
     store = meet(place, timeout_s, called_off=lambda: False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
+
+
+def init_timeout_s(backend: str, formation_timeout_s: float) -> float:
+    """The timeout a re-formed round's group is created with (init_process_group).
+
+    Why not the formation timeout itself: with gloo, a peer that posted its address
+    and then died or froze (reclaimed a moment after every rank met in the store)
+    holds each rank waiting for its connection five timeouts, blocked in C++ where
+    no call-off reaches it: 30 s at the 6 s formation timeout of --lease-ttl 3, seen
+    in a chaos soak, while the agents had long called the round off. Measured here
+    (torch 2.13, a peer SIGSTOPped after posting): timeout 2 s -> 10.0 s, 0.4 s ->
+    2.0 s. After meet() every rank is in the store, so the 1x store waits are short.
+    Other backends (NCCL) get the formation timeout unchanged.
+    """
+    if "gloo" not in backend:
+        return formation_timeout_s
+    return max(MIN_INIT_TIMEOUT_S, formation_timeout_s / GLOO_CONNECT_FACTOR)
 
 
 def meet(place: Place, timeout_s: float, called_off: Callable[[], bool]) -> Store | None:
