@@ -31,7 +31,7 @@ def test_marking_the_round_broken_fails_the_blocked_collective_of_each_rank(tmp_
         for rank in (0, 1):
             ReformChannel(tmp_path / f"channel-{rank}").ask_pause(0, broken=True)
         outputs = [ranks[rank].communicate(timeout=60)[0] for rank in (0, 1)]
-        assert [ranks[rank].returncode for rank in (0, 1)] == [0, 0]
+        assert [ranks[rank].returncode for rank in (0, 1)] == [0, 0], outputs
         for output in outputs:
             failed = next(line for line in output.splitlines() if line.startswith("failed"))
             assert "Connection closed" in failed or "Connection reset" in failed, output
