@@ -28,13 +28,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tenacity import (
-    Retrying, retry_if_exception_type, stop_after_delay, stop_when_event_set, wait_fixed,
-)
-
 from elastic_runner import contract, reform
 from elastic_runner.agent import drain
 from elastic_runner.agent.cloud_notice import CloudNoticeWatcher
+from elastic_runner.agent.etcd_outage import check_grace, wait_for_etcd
 from elastic_runner.agent.ports import NoticeWatcher, Rendezvous, StartWorkers, Workers
 from elastic_runner.agent.prewarm import WarmPool
 from elastic_runner.agent.reform_driver import (
@@ -61,8 +58,6 @@ SUCCEEDED, FAILED, CHANGED, SHUTDOWN, NOTICE = "succeeded", "failed", "changed",
 # REFORM: the plan changed and the workers can re-form in place. GONE: they could not
 # (they were stopped, or left a round without this node); the restart path goes on.
 REFORM, GONE = "reform", "gone"
-# Seconds between pings while the workers are stopped for an etcd outage.
-ETCD_RETRY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -283,31 +278,8 @@ class Agent:
             out.write(self._etcd_password)
 
     def _wait_for_etcd(self, error: EtcdUnavailable) -> None:
-        """Workers are stopped; wait (up to --join-timeout) for etcd to answer again.
-
-        A bounded retry, one ping per ETCD_RETRY_S: past --join-timeout the last
-        EtcdUnavailable ends the node; a signal ends the wait at once as
-        ShutdownRequested (the pause between pings wakes on it, so no ping is wasted).
-        """
-        log.warning("%s; workers stopped, waiting up to %.0f s for etcd", error,
-                    self._rdzv_config.join_timeout_s)
-        self.events.emit("etcd_lost", error=str(error))
-        retrying = Retrying(
-            retry=retry_if_exception_type(EtcdUnavailable), wait=wait_fixed(ETCD_RETRY_S),
-            stop=(stop_after_delay(self._rdzv_config.join_timeout_s)
-                  | stop_when_event_set(self._signal_seen)),
-            sleep=self._signal_seen.wait, reraise=True)
-        try:
-            for attempt in retrying:
-                with attempt:
-                    if self._signal_seen.is_set():
-                        raise ShutdownRequested("shutdown requested while etcd was unreachable")
-                    self.rendezvous.ping()
-        except EtcdUnavailable:
-            if self._signal_seen.is_set():
-                raise ShutdownRequested("shutdown requested while etcd was unreachable") from None
-            raise
-        log.info("etcd answers again: re-forming the job")
+        wait_for_etcd(self.rendezvous, self.events, self._signal_seen,
+                      self._rdzv_config.join_timeout_s, error)
 
     def _start(self, plan: Plan, previous: Plan | None, paused_at: float) -> Workers:
         log.info("%s", plan.describe())
@@ -342,7 +314,7 @@ class Agent:
     def _monitor(self, group: Workers, plan: Plan) -> Outcome:
         while True:
             marker = self.rendezvous.change_marker()
-            self._check_etcd_grace()
+            check_grace(self.rendezvous, self._etcd_grace_s)
             if self._notice_received(plan):
                 return Outcome(NOTICE)
             if self._signal_seen.is_set():
@@ -372,17 +344,6 @@ class Agent:
     def _hung_worker(self, group: Workers) -> WorkerExit | None:
         timeout = self._config.workers.worker_timeout_s
         return group.stalled(self.progress_dir, timeout) if timeout else None
-
-    def _check_etcd_grace(self) -> None:
-        """Workers train on through a short etcd outage; past the grace, stop them.
-
-        Why stop at all: without etcd nobody can see a member leave, and a
-        worker failure could not be recorded; a clean stop keeps the checkpoint.
-        """
-        silent = self.rendezvous.seconds_since_etcd_answered()
-        if silent > self._etcd_grace_s:
-            raise EtcdUnavailable(f"no answer from etcd for {silent:.0f} s "
-                                  f"(grace {self._etcd_grace_s:.0f} s)")
 
     def _record_failure(self, plan: Plan, failure: WorkerExit) -> Cause:
         record = failure.as_failure(self._rdzv_config.node_id)

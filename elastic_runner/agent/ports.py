@@ -33,6 +33,9 @@ class Rendezvous(Protocol):
     def ping(self) -> None:
         """Raise EtcdUnavailable while the store does not answer."""
 
+    def etcd_answers_now(self) -> bool:
+        """One request, not retried: does the store answer at this moment?"""
+
     def current_round(self) -> RoundView | None: ...
 
     def next_plan(self, previous: Plan | None, cause: Cause) -> Plan:

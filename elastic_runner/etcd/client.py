@@ -229,9 +229,10 @@ class EtcdClient:
     def create_if_absent(self, key: str, value: bytes, lease: int | None = None) -> bool:
         return self.txn([key_missing(key)], [Put(key, value, lease)]).succeeded
 
-    def server_version(self) -> str:
+    def server_version(self, retry_deadline_s: float | None = None) -> str:
         """Ask the member for its version; proves the endpoint really is etcd."""
-        response = self._retrying(lambda: self._client.status(), "a status request")
+        response = self._retrying(lambda: self._client.status(), "a status request",
+                                  deadline=retry_deadline_s)
         return response.version
 
     def leader_endpoint(self) -> str | None:

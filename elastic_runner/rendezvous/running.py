@@ -15,6 +15,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+from elastic_runner.errors import EtcdError, EtcdUnavailable
 from elastic_runner.etcd.client import Get, mod_revision_is
 from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
@@ -67,6 +68,16 @@ class WhileRunning:
         round_kv = self._client.get(p.round_key(self.prefix))
         return (round_kv is not None and self._client.get(p.inplace_key(self.prefix)) is not None
                 and p.RoundState.from_json(round_kv.value).state != p.FINISHED)
+
+    def etcd_answers_now(self) -> bool:
+        """One status request, not retried (the agent's grace check: etcd_outage.py)."""
+        try:
+            self._client.server_version(retry_deadline_s=0.0)
+        except EtcdUnavailable:
+            return False
+        except EtcdError:  # an answer, if not the one asked for: no outage
+            pass
+        return True
 
     def notices(self, plan: p.Plan) -> list[str]:
         """Members of `plan` that announced their departure during its round."""

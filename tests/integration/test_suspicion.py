@@ -349,3 +349,17 @@ def test_a_member_lost_while_a_newcomer_round_is_open_stops_the_others(agents, e
         assert set(grown.node_ids) == {"a", "b", "c"}
     finally:
         again.close()
+
+
+def test_whether_etcd_answers_now_is_one_question(agents):
+    """The agent's grace check (agent/etcd_outage.py) asks this once a host wakes from
+    a stall: a live etcd says yes; an endpoint where nothing listens says no."""
+    from elastic_runner.etcd.server import free_port
+
+    (a, _) = agents("asks", "a", "b")
+    assert a.rdzv.etcd_answers_now() is True
+    dead = Agent(f"http://127.0.0.1:{free_port()}", "asks", "c")
+    try:
+        assert dead.rdzv.etcd_answers_now() is False
+    finally:
+        dead.client.close()

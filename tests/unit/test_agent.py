@@ -69,6 +69,10 @@ class FakeRendezvous:
         if not answers:
             raise EtcdUnavailable("no etcd endpoint answered (fake)")
 
+    def etcd_answers_now(self) -> bool:
+        self.journal.append("asked")
+        return self.etcd_answers
+
     def current_round(self):
         return None
 
@@ -342,6 +346,19 @@ def test_etcd_silent_past_the_grace_stops_workers_and_ends_with_4(tmp_path):
     assert isinstance(node.error, EtcdUnavailable)
     assert node.journal.index("stop") < node.journal.index("ping")  # workers stopped first
     assert len(node.rendezvous.kinds("etcd_lost")) == 1
+
+
+def test_a_host_that_stalled_past_the_grace_asks_etcd_before_stopping_its_workers(tmp_path):
+    """The keep-alive's last answer is old because this host was frozen (SIGSTOP,
+    swapping), not because etcd went away: etcd answers the one question, so the
+    workers train on and finish; nothing is stopped, nobody waits for etcd."""
+    node = Node(tmp_path, exits={0: 0, 1: 0})
+    node.rendezvous.silent_s = 2.0 * LEASE_TTL_S + 1
+    node.rendezvous.etcd_answers = True
+    assert node.run() == 0
+    assert "asked" in node.journal and "ping" not in node.journal and "stop" not in node.journal
+    assert node.rendezvous.kinds("etcd_lost") == []
+    assert [p.round for p in node.started] == [0]
 
 
 def test_etcd_back_within_the_join_timeout_re_forms_the_job(tmp_path):
