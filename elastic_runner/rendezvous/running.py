@@ -111,11 +111,11 @@ class WhileRunning:
 
     def _change_reason(self, plan: p.Plan) -> p.Cause | None:
         seen = self.current_round()
-        change = d.plan_change(plan.round, seen.state if seen else None,
-                               self.lease.lost.is_set())
+        state = seen.state if seen else None
+        change = d.plan_change(plan.round, state, self.lease.lost.is_set())
         if change is d.Watch.HOLDS:
             return None
-        if isinstance(change, p.Cause) and d.newcomers_wait_after(plan.round, seen.state):
+        if isinstance(change, p.Cause) and d.newcomers_wait_after(plan.round, state):
             return self._members_gone_meanwhile(seen, plan) or change
         if change is not d.Watch.MEMBERS:
             return change

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from elastic_runner.config import EtcdConfig, RendezvousConfig
-from elastic_runner.etcd.client import EtcdClient
+from elastic_runner.etcd.client import Delete, EtcdClient
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous.engine import EtcdRendezvous
 
@@ -363,3 +363,18 @@ def test_whether_etcd_answers_now_is_one_question(agents):
         assert dead.rdzv.etcd_answers_now() is False
     finally:
         dead.client.close()
+
+
+def test_a_deleted_round_key_is_a_reason_to_stop_not_an_error(agents):
+    """Someone removed the run's round key by hand (etcdctl del): every member's plan
+    stops holding, with a cause that says so, also on a deputy."""
+    a, b = agents("wiped", "a", "b")
+    start = held_by_all([a, b], 0)
+    for agent in (a, b):
+        agent.hang()
+    a.client.txn([], [Delete(p.round_key(a.rdzv.prefix))])
+    deadline = time.monotonic() + 10
+    while a.rdzv.current_round() is not None:
+        assert time.monotonic() < deadline, "a's copy never showed the round key gone"
+        time.sleep(0.02)
+    assert a.rdzv.change_reason(start) == p.Cause(p.CauseKind.OTHER, "round key deleted")
