@@ -424,8 +424,10 @@ def newcomers_wait_after(plan_round: int, state: p.RoundState | None) -> bool:
             and p.Cause.parse(state.cause).kind is p.CauseKind.NEWCOMER)
 
 
-def gone_since_plan(plan: p.Plan, created: Mapping[str, int], plan_created: int) -> tuple[str, ...]:
-    """Members of `plan` whose node key is gone or younger than the plan, in plan order.
+def gone_since_plan(members: Iterable[str], created: Mapping[str, int],
+                    plan_created: int) -> tuple[str, ...]:
+    """Those of a plan's `members` whose node key is gone or younger than the plan,
+    in the order given.
 
     `created`: each member's node key create revision (0 or absent: no key);
     `plan_created`: the plan key's. Every member registered before it joined the
@@ -434,5 +436,5 @@ def gone_since_plan(plan: p.Plan, created: Mapping[str, int], plan_created: int)
     supervisor's restart). Asked while the next round is open, when the members'
     joins of the plan's round are no guide: each goes as its member joins anew.
     """
-    return tuple(node for node in plan.node_ids
+    return tuple(node for node in members
                  if not created.get(node) or created[node] > plan_created)

@@ -171,9 +171,9 @@ class WhileRunning:
             return None
         created = {node: getattr(self.mirror.get(p.node_key(self.prefix, node)),
                                  "create_revision", 0) for node in plan.node_ids}
-        gone = d.gone_since_plan(plan, created, plan_kv.create_revision)
+        gone = d.gone_since_plan(plan.node_ids, created, plan_kv.create_revision)
         if gone:
-            gone = self._confirm_gone(seen, plan, plan_kv.create_revision, gone)
+            gone = self._confirm_gone(seen, plan_kv.create_revision, gone)
         if not gone:
             self._members_checked = looked
             return None
@@ -184,23 +184,32 @@ class WhileRunning:
                     seen.state.number, ", ".join(gone), plan.round)
         return cause
 
-    def _confirm_gone(self, seen: RoundView, plan: p.Plan, plan_created: int,
+    def _confirm_gone(self, seen: RoundView, plan_created: int,
                       gone: tuple[str, ...]) -> tuple[str, ...]:
-        """`gone` as etcd has it, while the round key is still `seen` (one read, rare)."""
-        result = self._client.txn(
-            [mod_revision_is(p.round_key(self.prefix), seen.mod_revision)],
-            [Get(p.node_key(self.prefix, node)) for node in gone])
-        if not result.succeeded:
+        """`gone` as etcd has it (one read, rare), as _confirm_lost does for joins."""
+        reads = self._read_while_round_is(seen, [Get(p.node_key(self.prefix, node))
+                                                 for node in gone])
+        if reads is None:
             return ()
         created = {node: read.kvs[0].create_revision
-                   for node, read in zip(gone, result.reads) if read.kvs}
-        confirmed = d.gone_since_plan(plan, created, plan_created)
-        confirmed = tuple(node for node in confirmed if node in gone)
+                   for node, read in zip(gone, reads) if read.kvs}
+        confirmed = d.gone_since_plan(gone, created, plan_created)
         if confirmed != gone:
-            log.warning("our copy of etcd was wrong about %d member(s)' node key; "
-                        "reading it again", len(gone) - len(confirmed))
-            self.mirror.resync()
+            self._reread_copy(f"{len(gone) - len(confirmed)} member(s)' node key")
         return confirmed
+
+    def _read_while_round_is(self, seen: RoundView, reads: list[Get]) -> tuple | None:
+        """`reads` answered by etcd while the round key is still `seen`, else None:
+        once the next round opened, what was read for this one no longer decides."""
+        result = self._client.txn(
+            [mod_revision_is(p.round_key(self.prefix), seen.mod_revision)], reads)
+        return result.reads if result.succeeded else None
+
+    def _reread_copy(self, missed: str) -> None:
+        """A member our copy took for gone that etcd still has: the copy is wrong."""
+        log.warning("our copy of etcd missed %s; reading it again", missed)
+        self.mirror.resync()
+        self._last_look = None
 
     def _open_for_newcomers(self, seen: RoundView, plan: p.Plan) -> p.Cause | None:
         """The plan's first member opens the next round once a newcomer is due.
@@ -227,16 +236,13 @@ class WhileRunning:
         round key is still `seen`: once the next round opened, each member's join of
         this one goes as it joins the next, which is no loss.
         """
-        result = self._client.txn([mod_revision_is(p.round_key(self.prefix), seen.mod_revision)],
-                                  [Get(p.join_prefix(self.prefix, number), prefix=True)])
-        if not result.succeeded:
+        reads = self._read_while_round_is(seen, [Get(p.join_prefix(self.prefix, number),
+                                                      prefix=True)])
+        if reads is None:
             return ()  # the round moved on: the next look reads why
-        joined = {p.node_id_from_key(kv.key) for kv in result.reads[0].kvs}
+        joined = {p.node_id_from_key(kv.key) for kv in reads[0].kvs}
         if not joined & set(lost):
             return lost
-        log.warning("our copy of etcd missed %d member(s)' join; reading it again",
-                    len(joined & set(lost)))
-        self.mirror.resync()
-        self._last_look = None
+        self._reread_copy(f"{len(joined & set(lost))} member(s)' join")
         return tuple(node for node in lost if node not in joined)
 

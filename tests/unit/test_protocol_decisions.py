@@ -338,9 +338,9 @@ def test_newcomers_wait_only_in_the_open_round_right_after_the_plan(state, waits
 def test_a_member_is_gone_once_its_key_is_missing_or_younger_than_the_plan():
     current = plan([("a", 1), ("b", 1), ("c", 1), ("d", 1)])
     created = {"a": 10, "b": 0, "c": 57, "d": 49}  # the plan key was created at 50
-    assert d.gone_since_plan(current, created, 50) == ("b", "c")  # b: no key; c: new agent
-    assert d.gone_since_plan(current, {"a": 1, "b": 2, "c": 3, "d": 50}, 50) == ()
-    assert d.gone_since_plan(current, {"a": 1}, 50) == ("b", "c", "d")
+    assert d.gone_since_plan(current.node_ids, created, 50) == ("b", "c")  # b: no key; c: new agent
+    assert d.gone_since_plan(current.node_ids, {"a": 1, "b": 2, "c": 3, "d": 50}, 50) == ()
+    assert d.gone_since_plan(current.node_ids, {"a": 1}, 50) == ("b", "c", "d")
 
 def test_decisions_import_only_the_protocol():
     """Like protocol.py, the decisions stay pure: no etcd, no clocks of the engine."""
