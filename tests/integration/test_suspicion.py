@@ -340,7 +340,10 @@ def test_a_member_lost_while_a_newcomer_round_is_open_stops_the_others(agents, e
             assert time.monotonic() < deadline, "a's copy never showed c's new key"
             time.sleep(0.02)
         assert a.rdzv.change_reason(start) == p.Cause.member_lost(["c"])
-        seen = b.rdzv.current_round()
+        deadline = time.monotonic() + 10  # b's copy follows a's write a moment later
+        while (seen := b.rdzv.current_round()).state.cause == "newcomer":
+            assert time.monotonic() < deadline, "b's copy never showed the marked round"
+            time.sleep(0.02)
         assert seen.state == p.RoundState(1, p.OPEN, "member-lost: c")  # still open
         assert b.rdzv.change_reason(start) == p.Cause.member_lost(["c"])
         a.resume(), b.resume()
