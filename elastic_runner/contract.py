@@ -123,6 +123,7 @@ _VARIABLES = {
     "events_path": "ELASTIC_RUN_EVENTS_PATH",
     "reform_dir": "ELASTIC_RUN_REFORM_DIR", "collective_timeout_s": "ELASTIC_RUN_COLLECTIVE_TIMEOUT",
     "standby": "ELASTIC_RUN_STANDBY", "formation_timeout_s": "ELASTIC_RUN_FORMATION_TIMEOUT",
+    "quick_exit": "ELASTIC_RUN_QUICK_EXIT",
 }
 # What places a worker in a round: a standby worker (reform.py) is started without them.
 PLACEMENT_FIELDS = ("rank", "world_size", "group_rank", "group_world_size", "role_rank",
@@ -177,6 +178,9 @@ class WorkerEnv:
     standby: bool = False
     # How long a re-forming worker waits for the new round's group (0: the collective's).
     formation_timeout_s: int = 0
+    # A worker that stops for a resize skips the interpreter's teardown
+    # (worker/quick_exit.py): its agent waits for the process to end.
+    quick_exit: bool = False
 
     def to_env(self) -> dict[str, str]:
         """The variables to set; empty optional values are left out, as torchrun does."""

@@ -331,5 +331,5 @@ def job_env(config: AgentConfig, etcd: EtcdConfig, scratch: Path,
         events_path=str(events_path) if events_path is not None else "",
         reform_dir=str(scratch / REFORM_DIR),
         collective_timeout_s=config.rendezvous.collective_timeout_s,
-        formation_timeout_s=config.rendezvous.formation_timeout_s)
+        formation_timeout_s=config.rendezvous.formation_timeout_s, quick_exit=True)
 

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from elastic_runner.contract import EXIT_FOR_RESIZE, WorkerEnv, variable
+from elastic_runner.contract import WorkerEnv, variable
 from elastic_runner.errors import StaleWriterError
 from elastic_runner.reform import (
     ASKED, COLLECTIVE_ERROR, FAILED, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, Assignment,
@@ -56,6 +56,7 @@ from elastic_runner.reform import (
 from elastic_runner.worker import formation, runtime
 from elastic_runner.worker.abort import capturing_sockets, group_sockets, leave_process_group
 from elastic_runner.worker.broken_round import BrokenRoundWatch
+from elastic_runner.worker.quick_exit import exit_for_resize
 from elastic_runner.worker.state import ShardedStateError, State
 from elastic_runner.worker.step_boundary import ReformRequested
 
@@ -145,7 +146,7 @@ def _keep_restart_path(channel: ReformChannel, job: WorkerEnv, why: str) -> None
     log.error("standby worker cannot wait for its place: %s", why)
     channel.report(job.local_rank, WorkerState(round=STANDBY_ROUND, phase=FAILED, step=-1,
                                                pid=os.getpid(), reason=why[:_REASON_CHARS]))
-    raise SystemExit(EXIT_FOR_RESIZE)
+    exit_for_resize()
 
 
 class Reformer:
@@ -277,7 +278,7 @@ class Reformer:
             runtime.finish()
         except StaleWriterError as error:  # its round is over: expected, and harmless
             log.warning("%s", error)
-        raise SystemExit(EXIT_FOR_RESIZE)
+        exit_for_resize()
 
     def _join(self, assignment: Assignment) -> bool:
         """Take this worker's place in the assignment's round: True once in its group;
@@ -339,7 +340,7 @@ class Reformer:
     def _fail(self, reason: str) -> None:
         log.error("in-process re-formation failed: %s", reason)
         self._report(FAILED, reason)
-        raise SystemExit(EXIT_FOR_RESIZE)
+        exit_for_resize()
 
     # ---- the step boundary and the channel ----------------------------------------------
     def _attach(self) -> None:
@@ -361,7 +362,7 @@ class Reformer:
 
 def _give_up_standby(assignment: Assignment) -> None:
     """The node gave up joining before its standby workers got a place."""
-    raise SystemExit(EXIT_FOR_RESIZE)
+    exit_for_resize()
 
 
 def _formation_timeout_s(job: WorkerEnv) -> float:

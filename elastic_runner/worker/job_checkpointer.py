@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from elastic_runner.contract import CHECKPOINT_RECORD, EXIT_FOR_RESIZE
+from elastic_runner.contract import CHECKPOINT_RECORD
 from elastic_runner.errors import StaleWriterError
 from elastic_runner.files import write_atomic
 from elastic_runner.reform import STANDBY_ROUND
@@ -24,6 +24,7 @@ from elastic_runner.worker.checkpoint import checkpointer as _checkpoint
 from elastic_runner.worker.checkpoint.background import BackgroundWriter
 from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
 from elastic_runner.worker.checkpoint.objects import holds_objects, state_of
+from elastic_runner.worker.quick_exit import exit_for_resize
 from elastic_runner.worker.runtime import Context, current, finish
 
 # The runtime's name: a user filters the worker's lines by it, whichever module speaks.
@@ -137,7 +138,7 @@ class Checkpointer(_checkpoint.Checkpointer):
             self.wait()
             log.warning("spot notice: checkpoint of step %d written; stopping for the resize", step)
             finish()
-            raise SystemExit(EXIT_FOR_RESIZE)
+            exit_for_resize()
         return where
 
     def restore(self, objects: Mapping[str, Any]) -> int | None:

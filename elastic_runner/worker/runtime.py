@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 from elastic_runner.contract import EXIT_FOR_RESIZE, ProgressWriter, WorkerEnv
 from elastic_runner.reform import STANDBY_ROUND
-from elastic_runner.worker import formation
+from elastic_runner.worker import formation, quick_exit
 from elastic_runner.worker.abort import capturing_sockets, survive_nccl_errors
 from elastic_runner.worker.step_boundary import ReformRequested, StepBoundary
 
@@ -160,6 +160,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
         timeout_s = group_timeout_s(job)
     if "nccl" in backend and job.reform_dir:
         survive_nccl_errors()
+    if job.quick_exit:
+        quick_exit.enable()
     if dist.is_initialized():
         _warn_on_hand_typed_ranks(dist.get_rank(), dist.get_world_size(), context)
     elif context.world_size > 1 or "MASTER_ADDR" in environ:
@@ -277,7 +279,7 @@ def stop_for_resize(context: Context, step: int, save: bool = True) -> None:
         log.warning("resize: this node leaves after step %d; the ranks that stay keep "
                     "the state (no checkpoint)", step)
         finish()
-        raise SystemExit(EXIT_FOR_RESIZE)
+        quick_exit.exit_for_resize()
     checkpointers = list(context.checkpointers)
     if checkpointers and all(c.defers_to_due() for c in checkpointers):
         for checkpointer in checkpointers:
@@ -289,7 +291,7 @@ def stop_for_resize(context: Context, step: int, save: bool = True) -> None:
     if context.rank == 0:
         log.warning("resize: every rank stopped after step %d (%s)", step, what)
     finish()
-    raise SystemExit(EXIT_FOR_RESIZE)
+    quick_exit.exit_for_resize()
 
 
 _progress: list = []  # outside er.init(): the process's one (rank, ProgressWriter | None)
