@@ -26,6 +26,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import signal
 import subprocess
 import sys
@@ -164,6 +165,7 @@ def analyse(trace: list[dict], events: list[dict], agent_events: list[dict],
                                        if e["kind"] == "resize" and e.get("inprocess")}),
               "fallbacks_to_restart": sum(e["kind"].endswith("_fallback") for e in agent_events)}
     result.update(stalls(rows))
+    result.update(drains(agent_events))
     if any("checksum" in r for r in rows):  # train_inproc.py's trace
         result["worker_processes"] = len({r["pid"] for r in rows})
         result["steps_ranks_disagreed"] = disagreements(rows)
@@ -179,6 +181,18 @@ def stalls(rows: list[dict], longer_than_s: float = 0.5) -> dict:
         return {}
     return {"stalls_over_0.5s": len(gaps), "time_in_stalls_s": round(sum(gaps), 1),
             "longest_stall_s": round(max(gaps, default=0.0), 2)}
+
+
+def drains(agent_events: list[dict]) -> dict:
+    """How long agents waited for workers that stopped at a step boundary (the drain
+    before a join or a notice): the agreement, the checkpoint and the workers' exit."""
+    waits = sorted(e["waited_s"] for e in agent_events
+                   if e["kind"] == "drain" and e.get("ended") == "progress")
+    if not waits:
+        return {}
+    return {"drains_at_a_boundary": len(waits),
+            "drain_median_s": round(statistics.median(waits), 2),
+            "drain_longest_s": round(waits[-1], 2)}
 
 
 def disagreements(rows: list[dict]) -> int:

@@ -97,3 +97,15 @@ def test_stalls_are_the_gaps_without_a_finished_step():
     trace = run(range(5)) + step_lines(5, 1, t0=3.0)  # step 4 at 0.4 s, step 5 at 3.5 s
     result = soak.stalls([line for line in trace if "began" not in line])
     assert result == {"stalls_over_0.5s": 1, "time_in_stalls_s": 3.1, "longest_stall_s": 3.1}
+
+
+def test_drains_count_only_workers_that_stopped_at_a_boundary():
+    events = [{"kind": "drain", "ended": "progress", "waited_s": 0.9},
+              {"kind": "drain", "ended": "progress", "waited_s": 3.2},
+              {"kind": "drain", "ended": "progress", "waited_s": 0.8},
+              {"kind": "drain", "ended": "no-boundary", "waited_s": 0.0},  # stopped at once
+              {"kind": "drain", "ended": "deadline", "waited_s": 25.0},  # never got there
+              {"kind": "resize", "round": 3}]
+    assert soak.drains(events) == {"drains_at_a_boundary": 3, "drain_median_s": 0.9,
+                                   "drain_longest_s": 3.2}
+    assert soak.drains([]) == {}
