@@ -88,19 +88,30 @@ def _end_process(code: int) -> NoReturn:
 
 
 def close_open_files() -> int:
-    """Close every open file object but the standard streams, as teardown would;
-    return how many. Wrappers go before what they wrap, so each close can still
-    write its buffered data into the next layer down."""
+    """Close every open file object, as teardown would; return how many. Wrappers
+    go before what they wrap, so each close can still write its buffered data into
+    the next layer down. The standard streams, and any other file on descriptors
+    0-2, are only flushed: what comes after (the C library's exit) may still write."""
     gc.unfreeze()  # er.elastic froze the survivors (gc.freeze); get_objects() skips those
     opened = [obj for obj in gc.get_objects() if _is_open_file(obj)]
     standard = _standard_streams()
     closed = 0
     for layer in (io.TextIOBase, _PythonFile, io.BufferedIOBase, io.RawIOBase):
         for handle in opened:
-            if id(handle) not in standard and _layer_of(handle) is layer and \
-                    not _is_closed(handle):
+            if _layer_of(handle) is not layer or _is_closed(handle):
+                continue
+            if id(handle) in standard or _on_standard_descriptor(handle):
+                _quietly(handle.flush)
+            else:
                 closed += _quietly(handle.close)
     return closed
+
+
+def _on_standard_descriptor(handle: io.IOBase) -> bool:
+    try:
+        return handle.fileno() in (0, 1, 2)
+    except Exception:  # noqa: BLE001 - no descriptor (gzip over BytesIO, a socket file)
+        return False
 
 
 def _standard_streams() -> set[int]:
