@@ -66,9 +66,25 @@ def wait_ready(process: subprocess.Popen, ready: Callable[[], bool], deadline_s:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports that are free now. Why all at once: a port picked by
+    bind(0) and let go can be the next bind(0)'s too, and an etcd once got the same
+    port for its clients and its peers (a test run's "address already in use")."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                   for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+# A fresh member whose ports we picked tries others this many times when one was
+# taken between the pick and etcd's bind (another process's connection or server).
+PORT_ATTEMPTS = 3
+PORT_TAKEN = b"address already in use"
 
 
 @dataclass
@@ -94,11 +110,17 @@ class EmbeddedEtcd:
     process: subprocess.Popen | None = field(default=None, repr=False)
     _owns_data_dir: bool = False
     _log_path: Path | None = None
+    _picked_ports: bool = False
+    _started: bool = False  # healthy once: its data names its peer address
+    _log_start: int = 0
 
     def __post_init__(self) -> None:
         self.binary = find_etcd_binary(self.binary)
-        self.client_port = self.client_port or free_port(self.host)
-        self.peer_port = self.peer_port or free_port(self.host)
+        self._picked_ports = not self.client_port and not self.peer_port
+        taken = {self.client_port, self.peer_port} - {0}
+        spare = iter(port for port in free_ports(3, self.host) if port not in taken)
+        self.client_port = self.client_port or next(spare)
+        self.peer_port = self.peer_port or next(spare)
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="elastic-run-etcd-"))
             self._owns_data_dir = True
@@ -132,9 +154,43 @@ class EmbeddedEtcd:
                 "--trusted-ca-file", str(self.tls_files["ca"]), "--client-cert-auth"]
 
     def start(self, wait: bool = True) -> "EmbeddedEtcd":
+        """Start the member; with `wait`, until it is healthy (a fresh member whose
+        ports were picked here moves to others if one was taken meanwhile)."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self._launch()
+            if not wait:
+                return self
+            try:
+                self.wait_healthy()
+                self._started = True
+                return self
+            except EtcdUnavailable:
+                if attempt == PORT_ATTEMPTS or not self._may_move_ports():
+                    raise
+            shutil.rmtree(self.data_dir / "data", ignore_errors=True)
+            self.client_port, self.peer_port = free_ports(2, self.host)
+        raise AssertionError("unreachable")
+
+    def _may_move_ports(self) -> bool:
+        """Only a member nobody was told the address of: its ports were picked here,
+        it is alone (a cluster's members name each other's peer ports), it never ran
+        and its data folder is its own, made for it (data would name the old peer
+        address). Only for a taken port."""
+        if not self._picked_ports or self.initial_cluster is not None or self._started \
+                or not self._owns_data_dir:
+            return False
+        try:
+            with open(self._log_path, "rb") as log:
+                log.seek(self._log_start)  # this attempt's lines only
+                return PORT_TAKEN in log.read()
+        except OSError:
+            return False
+
+    def _launch(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log_path = self.data_dir / f"{self.name}.log"
         log_file = open(self._log_path, "ab")
+        self._log_start = log_file.tell()
         # PR_SET_PDEATHSIG fires when the *thread* that forked exits, so it is
         # only safe from the main thread (a restart from a timer thread would
         # otherwise kill the new server as soon as that thread ends).
@@ -143,9 +199,6 @@ class EmbeddedEtcd:
         self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         log_file.close()
-        if wait:
-            self.wait_healthy()
-        return self
 
     def wait_healthy(self) -> None:
         wait_ready(self.process, self.healthy, self.startup_deadline_s, "embedded etcd",
@@ -201,8 +254,10 @@ class EmbeddedEtcdCluster:
                  extra_args: tuple[str, ...] = (), binary: str | None = None):
         if size < 1:
             raise ValueError(f"an etcd cluster needs at least one member, not {size}")
+        ports = free_ports(2 * size)  # all distinct: six picks one by one could repeat
         self.members = [
             EmbeddedEtcd(binary=binary, name=f"m{index}", extra_args=extra_args,
+                         client_port=ports[2 * index], peer_port=ports[2 * index + 1],
                          data_dir=None if data_parent is None else data_parent / f"m{index}")
             for index in range(size)]
         cluster = ",".join(f"{member.name}={member.peer_url}" for member in self.members)

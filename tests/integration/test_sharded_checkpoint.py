@@ -6,7 +6,6 @@ every phase, and each test reads the outcome it is about."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -14,22 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.etcd.server import EmbeddedEtcd
+from elastic_runner.etcd.server import EmbeddedEtcd, free_ports
 
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "sharded_group.py"
 TOLERANCE = 1e-6
-
-
-def free_ports(count: int) -> list[int]:
-    holders = []
-    for _ in range(count):
-        holder = socket.socket()
-        holder.bind(("127.0.0.1", 0))
-        holders.append(holder)
-    ports = [h.getsockname()[1] for h in holders]
-    for holder in holders:
-        holder.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
