@@ -156,7 +156,8 @@ class EmbeddedEtcd:
     def start(self, wait: bool = True) -> "EmbeddedEtcd":
         """Start the member; with `wait`, until it is healthy (a fresh member whose
         ports were picked here moves to others if one was taken meanwhile)."""
-        for attempt in range(1, PORT_ATTEMPTS + 1):
+        attempt = 1
+        while True:
             self._launch()
             if not wait:
                 return self
@@ -167,9 +168,9 @@ class EmbeddedEtcd:
             except EtcdUnavailable:
                 if attempt == PORT_ATTEMPTS or not self._may_move_ports():
                     raise
+            attempt += 1
             shutil.rmtree(self.data_dir / "data", ignore_errors=True)
             self.client_port, self.peer_port = free_ports(2, self.host)
-        raise AssertionError("unreachable")
 
     def _may_move_ports(self) -> bool:
         """Only a member nobody was told the address of: its ports were picked here,

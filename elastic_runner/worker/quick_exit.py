@@ -26,50 +26,58 @@ import gc
 import io
 import os
 import sys
+from dataclasses import dataclass
 from typing import NoReturn
 
 from elastic_runner.contract import EXIT_FOR_RESIZE
 
-_enabled: list[bool] = []  # this process is a worker its agent started (er.init)
-_exit_code: list[int] = []  # set once the fast exit is armed
-_running: list[bool] = []  # the handler re-enters itself through _run_exitfuncs
+@dataclass
+class _ProcessExit:
+    """This process's one exit: module state, as the process is."""
+
+    enabled: bool = False  # a worker its agent started (er.init read it)
+    code: int | None = None  # the exit is armed: the atexit handler is registered
+    running: bool = False  # the handler re-enters itself through _run_exitfuncs
+
+
+_exit = _ProcessExit()
 
 
 def enable() -> None:
     """This process is a worker that elastic-run started (its environment says so):
     ending it is its own business. Anywhere else (a test, a notebook, torchrun)
     exit_for_resize raises SystemExit alone and the process ends as it would."""
-    _enabled[:] = [True]
+    _exit.enabled = True
 
 
 def enabled() -> bool:
-    return bool(_enabled)
+    return _exit.enabled
 
 
 def exit_for_resize(code: int = EXIT_FOR_RESIZE) -> NoReturn:
     """Raise SystemExit(code), and end the process right after the exit handlers.
     A script that catches this SystemExit and goes on still ends with `code`: its
     round is over either way."""
-    if not _enabled:
+    if not _exit.enabled:
         raise SystemExit(code)
-    if not _exit_code:
+    if _exit.code is None:
         # Registered last, so it runs first (LIFO) and runs the others itself.
         atexit.register(_end_after_exit_handlers)
-    _exit_code[:] = [code]
+    _exit.code = code
     raise SystemExit(code)
 
 
 def _end_after_exit_handlers() -> None:
-    if _running:
+    if _exit.running:
         return
-    _running.append(True)
+    _exit.running = True
     # The handlers registered before this one, in the order Python would run them
     # (CPython's atexit_callfuncs: last registered first; this one is skipped above).
     atexit._run_exitfuncs()
     close_open_files()
     for stream in (sys.stdout, sys.stderr):
         _quietly(stream.flush)
-    _end_process(_exit_code[0])
+    _end_process(_exit.code)
 
 
 def _end_process(code: int) -> NoReturn:
