@@ -21,7 +21,9 @@ The sequence (`InProcessReform.run`), for round r:
    closes (the newcomer's standby workers are ready by then, standby.py), and only
    then are asked to pause;
 3. wait until every local worker reported PAUSED for r, or exited: at most
-   `pause_s`;
+   `pause_s`. A graceful pause whose new round lacks a member of r (it froze or
+   died meanwhile) is cut as for a loss when no boundary comes within a few steps
+   (`_cut_if_held`): that member may hold the collective in flight;
 4. write each worker its place in the new round (same local rank, new global rank),
    or, when this node is not in it, `leave` and wait for them to exit;
 5. wait until every worker reported TRAINING for the new round: at most `form_s`.
@@ -45,9 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from elastic_runner.agent import drain
 from elastic_runner.agent.ports import Rendezvous, Workers
 from elastic_runner.config import AgentConfig
-from elastic_runner.contract import EXIT_FOR_RESIZE
+from elastic_runner.contract import EXIT_FOR_RESIZE, read_progress
 from elastic_runner.errors import RendezvousError, ShutdownRequested
 from elastic_runner.events import EventLog
 from elastic_runner.reform import FAILED, PAUSED, TRAINING, Assignment, ReformChannel, WorkerState
@@ -226,6 +229,8 @@ class InProcessReform:
         problem = plan_problem(new)
         if problem:
             raise RendezvousError(f"refusing to re-form workers on round {new.round}: {problem}")
+        if cause.kind not in BROKEN_BY:
+            self._cut_if_held(group, plan, new)
         self._wait(lambda: self._not_paused(group, plan.round), self._ctx.bounds.pause_s,
                    "pause")
         ranks = assign_ranks(new, self._ctx.node_id)
@@ -234,6 +239,33 @@ class InProcessReform:
             return None
         self._take_places(group, new, "exited during the pause")
         return new
+
+    def _cut_if_held(self, group: Workers, plan: Plan, new: Plan) -> None:
+        """Cut round `plan` when a member it holds is missing from `new` and the
+        workers do not reach a step boundary in the time a step takes.
+
+        Why: a graceful pause (a newcomer, a notice) waits for the step boundary,
+        but a member that froze meanwhile holds the collective in flight until it
+        thaws; the next round closed without it once its lease went, while this
+        pause waited on (seen in a chaos soak: 5.6 s, the whole freeze). A member
+        that left at the agreed boundary (a notice) costs nothing here: its peers
+        pause at that boundary within a step. The bound is the drain's agreement
+        wait (4 of the workers' median steps, at least 1 s)."""
+        missing = sorted(set(plan.node_ids) - set(new.node_ids))
+        if not missing:
+            return
+        steps = drain.view(read_progress(self._ctx.progress_dir))
+        deadline = time.monotonic() + drain.agreement_wait(steps, self._ctx.bounds.pause_s)
+        while self._not_paused(group, plan.round):
+            if self._ctx.stop_requested.is_set():
+                return  # the wait after this says so
+            if time.monotonic() >= deadline:
+                log.warning("round %d lost %s while its workers paused for round %d; they "
+                            "reached no step boundary in time: cutting the round", plan.round,
+                            ", ".join(missing), new.round)
+                self._ctx.channel.ask_pause(plan.round, broken=True)
+                return
+            self._ctx.stop_requested.wait(POLL_S)
 
     def place(self, group: Workers, plan: Plan) -> bool:
         """Give standby workers (standby.py) their places in `plan`; False when they

@@ -55,6 +55,9 @@ class Behaviour:
     fail_on_assignment: bool = False  # report FAILED (and exit 1) instead of re-forming
     standby_exit: int | None = None  # a standby worker exits with this before it is ready
     exit_on_notice: bool = False  # a notice marker makes it exit 75 (its node leaves)
+    # Local ranks held in round 0's collective by a frozen peer: they reach no step
+    # boundary, and pause only once the agent cuts the round (a broken pause request).
+    held_in_collective: tuple[int, ...] = ()
 
 
 class FakeWorker(threading.Thread):
@@ -95,10 +98,11 @@ class FakeWorker(threading.Thread):
             return 0
         if self.round == 0 and self.local in b.collective_error:
             self.report(PAUSED, f"{COLLECTIVE_ERROR}: connection reset by peer")
-        elif not self._wait(lambda: self.local not in b.never_pauses
-                            and self.channel.pause_asked(self.round)
+        elif not self._wait(lambda: self._asked_to_pause()
                             or b.exit_on_notice and self.notice.exists()):
             return -signal.SIGTERM
+        elif self.round == 0 and self.local in b.held_in_collective:
+            self.report(PAUSED, f"{COLLECTIVE_ERROR}: connection closed (the round was cut)")
         elif b.exit_on_notice and self.notice.exists():
             time.sleep(0.05)  # a worker's teardown takes a while
             self.journal.append(f"worker {self.local} exits")
@@ -106,6 +110,13 @@ class FakeWorker(threading.Thread):
         else:
             self.report(PAUSED, "asked")
         return self._re_form()
+
+    def _asked_to_pause(self) -> bool:
+        if self.local in self.behaviour.never_pauses:
+            return False
+        if self.round == 0 and self.local in self.behaviour.held_in_collective:
+            return self.channel.broken(self.round)
+        return self.channel.pause_asked(self.round)
 
     def _re_form(self) -> int:
         got = self._wait(lambda: self._assignment())

@@ -103,6 +103,36 @@ def test_the_workers_leave_when_this_node_is_not_in_the_next_round(tmp_path):
     assert [g.round for g in node.groups] == [0, 2]  # back as a newcomer: fresh workers
 
 
+NEWCOMER_WITHOUT_X = [members(("x", 2), (NODE, 2)), members((NODE, 2), ("y", 2))]
+
+
+def test_workers_held_by_a_member_gone_from_the_newcomers_round_are_cut(tmp_path, caplog):
+    """x froze while a newcomer's round was open; the round closed without x once
+    its lease went. The workers, held in a collective with x, reach no boundary:
+    the agent cuts the round instead of waiting for x to thaw."""
+    node = Node(tmp_path, NEWCOMER_WITHOUT_X, Behaviour(held_in_collective=(0, 1)))
+    node.rendezvous.change = Cause(CauseKind.NEWCOMER)
+    node.rendezvous.change_when = lambda: node.channel_shows(TRAINING, 0)
+    started = time.monotonic()
+    assert node.run() == 0
+    assert time.monotonic() - started < 5.0  # the 1 s agreement wait, not the 10 s bound
+    assert [r.getMessage() for r in caplog.records if "cutting" in r.getMessage()] == [
+        "round 0 lost x while its workers paused for round 1; they reached no step "
+        "boundary in time: cutting the round"]
+    assert len(node.groups) == 1 and not node.kinds("reform_fallback")
+    assert [a.round for w in node.groups[0].workers for a in w.assignments] == [1, 1]
+
+
+def test_workers_that_pause_at_the_boundary_are_not_cut_for_a_member_that_left(tmp_path,
+                                                                              caplog):
+    node = Node(tmp_path, NEWCOMER_WITHOUT_X)
+    node.rendezvous.change = Cause(CauseKind.NEWCOMER)
+    node.rendezvous.change_when = lambda: node.channel_shows(TRAINING, 0)
+    assert node.run() == 0
+    assert not [r for r in caplog.records if "cutting" in r.getMessage()]
+    assert len(node.groups) == 1 and not node.kinds("reform_fallback")
+
+
 # ---- the restart path -------------------------------------------------------------
 @pytest.mark.parametrize("half_formed", [False, True], ids=["plain-script", "half-formed"])
 def test_workers_that_are_not_all_capable_take_the_restart_path(tmp_path, half_formed):
