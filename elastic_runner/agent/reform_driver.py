@@ -255,17 +255,15 @@ class InProcessReform:
         if not missing:
             return
         steps = drain.view(read_progress(self._ctx.progress_dir))
-        deadline = time.monotonic() + drain.agreement_wait(steps, self._ctx.bounds.pause_s)
-        while self._not_paused(group, plan.round):
-            if self._ctx.stop_requested.is_set():
-                return  # the wait after this says so
-            if time.monotonic() >= deadline:
-                log.warning("round %d lost %s while its workers paused for round %d; they "
-                            "reached no step boundary in time: cutting the round", plan.round,
-                            ", ".join(missing), new.round)
-                self._ctx.channel.ask_pause(plan.round, broken=True)
-                return
-            self._ctx.stop_requested.wait(POLL_S)
+
+        def cut() -> None:
+            log.warning("round %d lost %s while its workers paused for round %d; they "
+                        "reached no step boundary in time: cutting the round", plan.round,
+                        ", ".join(missing), new.round)
+            self._ctx.channel.ask_pause(plan.round, broken=True)
+
+        self._wait(lambda: self._not_paused(group, plan.round),
+                   drain.agreement_wait(steps, self._ctx.bounds.pause_s), "pause", cut)
 
     def place(self, group: Workers, plan: Plan) -> bool:
         """Give standby workers (standby.py) their places in `plan`; False when they
@@ -342,8 +340,10 @@ class InProcessReform:
         self._ctx.events.emit("reform_left", round=new.round, inprocess=True, stopped=not left)
 
     # ---- waiting on the channel --------------------------------------------------
-    def _wait(self, pending: Callable[[], list[int]], bound_s: float, what: str) -> None:
-        """Until `pending()` is empty; ReformFallback past `bound_s`."""
+    def _wait(self, pending: Callable[[], list[int]], bound_s: float, what: str,
+              past_bound: Callable[[], None] | None = None) -> None:
+        """Until `pending()` is empty; past `bound_s`, `past_bound()` if given, else
+        ReformFallback."""
         deadline = time.monotonic() + bound_s
         while True:
             if self._ctx.stop_requested.is_set():
@@ -352,6 +352,8 @@ class InProcessReform:
             if not left:
                 return
             if time.monotonic() >= deadline:
+                if past_bound is not None:
+                    return past_bound()
                 raise ReformFallback(f"worker local rank(s) {_ranks(left)} did not {what} "
                                      f"within {bound_s:g} s")
             self._ctx.stop_requested.wait(POLL_S)
