@@ -105,6 +105,7 @@ def evaluate(records: list[dict], expect: Expectation, exit_code: int | None,
         _backend(starters, expect),
         _first_collective(starters),
         _failure_injected(starters, first),
+        _nccl_aborted(starters, first, expect),
         _kept_processes(workers, starters),
         _next_round(pairs),
         _new_group(pairs),
@@ -149,6 +150,21 @@ def _failure_injected(starters: list[Worker], first: int | None) -> Check:
     step = hit[0].failed["step"] if hit else None
     return Check("collective failure injected", ok, f"every rank failed at step {step}" if ok
                  else f"{len(hit)} of {len(starters)} rank(s) reached the failure")
+
+
+def _nccl_aborted(starters: list[Worker], first: int | None, expect: Expectation) -> Check:
+    """On NCCL the failure is the broken round's: communicators aborted from another
+    thread, after which an all-reduce raised DistBackendError (not merely any error)."""
+    name = "communicator abort"
+    if expect.backend != "nccl":
+        return Check(name, True, f"not applicable to {expect.backend}")
+    hit = [w.failed for w in starters if w.failed and w.failed["round"] == first]
+    bad = [f"rank {f.get('rank')}: {f.get('nccl_aborted')} group(s) aborted, "
+           f"then {f.get('raised') or 'no error'}" for f in hit
+           if not f.get("nccl_aborted") or f.get("raised") != "DistBackendError"]
+    ok = bool(hit) and len(hit) == len(starters) and not bad
+    return Check(name, ok, "every rank's all-reduce raised DistBackendError after the abort"
+                 if ok else "; ".join(bad) or "no rank reached the failure")
 
 
 def _kept_processes(workers: dict[int, Worker], starters: list[Worker]) -> Check:

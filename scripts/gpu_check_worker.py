@@ -2,8 +2,11 @@
 
 Why a failure is injected: on a machine with one GPU the world is one worker, and
 NCCL refuses two ranks on one device, so no second node can come or go. Instead,
-at `--fail-at` of the first round every rank raises a torch DistError, which
-er.elastic classifies as a failed collective: the worker leaves its group, reports
+at `--fail-at` of the first round every rank breaks its group as a broken round
+does (worker/broken_round.py): another thread aborts its NCCL communicators
+(abort.abort_nccl_communicators), and the next all-reduce must then raise torch's
+DistBackendError, which er.elastic classifies as a failed collective (on a CPU run,
+with no communicator to abort, a DistError stands for it): the worker leaves its group, reports
 PAUSED, its agent opens the next round with the same member, and the worker joins
 that round in its own process, in a new process group (a new NCCL communicator).
 Before raising, every rank but 0 loses its state as a newcomer holds none (its
@@ -19,7 +22,8 @@ Each rank appends to `--out` (one JSON object a line, `kind` says which):
           the group is a new object, the NCCL group's uid, that all-reduce's seconds,
           a checksum of the parameters and what State.sync moved (bytes received,
           from which rank, its seconds)
-  failed  the injected failure: round, step, steps trained in the round and their time
+  failed  the injected failure: round, step, steps trained in the round and their time,
+          NCCL groups aborted, and the error the all-reduce after the abort raised
   steps   a call that trained to the end: round, steps and their time
   done    after the training function returned
 Every clock value is time.monotonic() of this process: the checker compares values
@@ -30,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import threading
 import time
 import weakref
 
@@ -38,8 +44,10 @@ import torch
 import torch.distributed as dist
 
 import elastic_runner as er
+from elastic_runner.worker.abort import abort_nccl_communicators
 
 DIM = 256
+LOG = logging.getLogger("gpu_check_worker")
 
 
 def parse_args() -> argparse.Namespace:
@@ -87,6 +95,31 @@ def nccl_uid() -> int | None:
         return int(backend.uid)
     except (AttributeError, RuntimeError, TypeError):
         return None
+
+
+def break_group(device: torch.device, step: int) -> tuple[BaseException, dict]:
+    """The error this rank's training raises at the injected failure, and how it came.
+
+    On a GPU, the broken round's own way: a second thread aborts the communicators
+    while this one waits, then an all-reduce must fail with torch's DistBackendError.
+    An all-reduce that succeeds after the abort is reported, and a DistError raised
+    instead, so that the check can still re-form and say what it saw."""
+    if device.type != "cuda":
+        return dist.DistError(f"gpu_check: injected collective failure at step {step}"), {
+            "nccl_aborted": None, "raised": None}
+    aborted: list[int] = []
+    watch = threading.Thread(target=lambda: aborted.append(abort_nccl_communicators(LOG)))
+    watch.start()
+    watch.join(60)
+    how = {"nccl_aborted": aborted[0] if aborted else None}
+    try:
+        probe = torch.ones(1, device=device)
+        dist.all_reduce(probe)
+        synchronize(device)
+    except Exception as error:  # noqa: BLE001 - what the abort made it raise is the finding
+        return error, {**how, "raised": type(error).__name__}
+    return dist.DistError("gpu_check: the all-reduce after the abort succeeded"), {
+        **how, "raised": None}
 
 
 def checksum(model: torch.nn.Module) -> float:
@@ -163,11 +196,12 @@ def main() -> None:
             if step == args.fail_at and not memory["failed"]:
                 memory["failed"] = True
                 synchronize(device)
-                record.write("failed", round=ctx.round, rank=ctx.rank, step=step,
-                             steps=trained, steps_s=time.monotonic() - began)
                 if ctx.rank > 0:
                     forget_state(state)
-                raise dist.DistError(f"gpu_check: injected collective failure at step {step}")
+                error, how = break_group(device, step)
+                record.write("failed", round=ctx.round, rank=ctx.rank, step=step,
+                             steps=trained, steps_s=time.monotonic() - began, **how)
+                raise error
             optimizer.zero_grad()
             batch = torch.tensor(indices, dtype=torch.long, device=device)
             torch.nn.functional.mse_loss(model(inputs[batch]), targets[batch]).backward()

@@ -28,8 +28,8 @@ import socket
 import threading
 from typing import Iterator
 
-__all__ = ["GroupSockets", "capturing_sockets", "group_sockets", "leave_process_group",
-           "survive_nccl_errors"]
+__all__ = ["GroupSockets", "abort_nccl_communicators", "capturing_sockets", "group_sockets",
+           "leave_process_group", "survive_nccl_errors"]
 
 _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
@@ -95,6 +95,47 @@ def _abort(dist, logger: logging.Logger) -> None:
         dist.distributed_c10d._abort_process_group()
     except _LEAVE_ERRORS as error:
         logger.debug("aborting the process group's communicators: %s", error)
+
+
+def abort_nccl_communicators(logger: logging.Logger) -> int:
+    """Abort the NCCL communicators of every group this process holds, from any thread,
+    and leave torch's registries alone; how many NCCL backends were aborted.
+
+    Why: when the agent says a round is broken (a member is lost or frozen), a kernel
+    of the training thread may wait for that member until the watchdog's collective
+    timeout, and gloo's socket cut does not reach NCCL's own connections.
+    ProcessGroupNCCL.abort() is the call torch's watchdog makes from its own thread
+    (ncclCommAbort for each communicator): the kernels end, and the next collective
+    raises DistBackendError "NCCL communicator was aborted" (NCCLComm::getNcclComm),
+    which elastic.py reads as a failed collective. The training thread then leaves
+    the group (leave_process_group); aborting an aborted communicator again is a
+    no-op there. Zero without NCCL (a CPU-only torch, gloo groups).
+    """
+    import torch
+    import torch.distributed as dist
+
+    nccl_type = getattr(dist, "ProcessGroupNCCL", None)
+    if not dist.is_available() or nccl_type is None or not dist.is_nccl_available():
+        return 0
+    try:  # a snapshot: the training thread may be creating or leaving groups
+        groups = list(dist.distributed_c10d._world.pg_names)
+    except RuntimeError as error:  # the registry changed size while copied
+        logger.debug("cannot list the process groups to abort: %s", error)
+        return 0
+    aborted = 0
+    for group in groups:
+        try:
+            backend = group._get_backend(torch.device("cuda"))
+        except RuntimeError:  # no CUDA backend in this group (the boundary's gloo group)
+            continue
+        if not isinstance(backend, nccl_type):
+            continue
+        try:
+            backend.abort()
+            aborted += 1
+        except _LEAVE_ERRORS as error:
+            logger.debug("aborting an NCCL communicator: %s", error)
+    return aborted
 
 
 def survive_nccl_errors() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -199,3 +200,57 @@ def test_a_failed_formation_does_not_rename_the_next_group():
     assert dist.distributed_c10d._world.group_count == 1  # torch counted it
     leave_process_group(LOG)
     assert dist.distributed_c10d._world.group_count == 0
+
+
+# ---- abort_nccl_communicators: the broken-round watch's NCCL half ---------------------
+class FakeNcclBackend:
+    """Stands for ProcessGroupNCCL: records its aborts, can fail one."""
+
+    def __init__(self, error: Exception | None = None):
+        self.aborts, self.error = 0, error
+
+    def abort(self) -> None:
+        self.aborts += 1
+        if self.error is not None:
+            raise self.error
+
+
+class FakeProcessGroup:
+    """A group as torch's registry holds it: a CUDA backend, or none (gloo alone)."""
+
+    def __init__(self, cuda_backend=None):
+        self.cuda_backend = cuda_backend
+
+    def _get_backend(self, device):
+        assert device.type == "cuda"
+        if self.cuda_backend is None:
+            raise RuntimeError("No backend type associated with device type cuda")
+        return self.cuda_backend
+
+
+def install_nccl_groups(monkeypatch, groups: list) -> dict:
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNcclBackend, raising=False)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    registry = {group: f"pg{index}" for index, group in enumerate(groups)}
+    monkeypatch.setattr(dist.distributed_c10d, "_world", SimpleNamespace(pg_names=registry))
+    return registry
+
+
+def test_every_nccl_backend_is_aborted_and_the_registry_left_alone(monkeypatch, caplog):
+    default, subgroup = FakeNcclBackend(), FakeNcclBackend(RuntimeError("comm gone"))
+    gloo_only = FakeProcessGroup()  # the step boundary's group: no CUDA backend
+    other_kind = FakeProcessGroup(cuda_backend=object())  # a CUDA backend that is not NCCL
+    registry = install_nccl_groups(monkeypatch, [FakeProcessGroup(default), gloo_only,
+                                                 FakeProcessGroup(subgroup), other_kind])
+    before = dict(registry)
+    with caplog.at_level(logging.DEBUG, logger=LOG.name):
+        aborted = abort.abort_nccl_communicators(LOG)
+    assert aborted == 1  # the failing one is not counted
+    assert (default.aborts, subgroup.aborts) == (1, 1)
+    assert "comm gone" in caplog.text
+    assert registry == before  # the training thread clears it when it leaves the group
+
+
+def test_without_nccl_nothing_is_aborted_and_a_gloo_group_keeps_working(gloo_group):
+    assert abort.abort_nccl_communicators(LOG) == 0  # CPU-only torch: no NCCL at all
+    assert _sum_of_one() == 1.0

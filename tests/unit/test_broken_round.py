@@ -132,13 +132,35 @@ class CountingSockets:
 def test_the_watch_cuts_once_when_its_round_is_broken(tmp_path, asked, expected_cuts):
     channel = ReformChannel(tmp_path)
     channel.ask_pause(asked["round"], broken=asked["broken"])
-    sockets = CountingSockets()
-    with BrokenRoundWatch(channel, lambda: 5, sockets, poll_s=0.01):
+    sockets, nccl_aborts = CountingSockets(), []
+    with BrokenRoundWatch(channel, lambda: 5, sockets, poll_s=0.01,
+                          abort_nccl=lambda: nccl_aborts.append(1) or 1):
         deadline = time.monotonic() + (5 if expected_cuts else 0.3)
-        while sockets.cuts < expected_cuts and time.monotonic() < deadline:
+        while len(nccl_aborts) < expected_cuts and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.05)  # a second cut would come within a few polls
     assert sockets.cuts == expected_cuts
+    assert len(nccl_aborts) == expected_cuts  # NCCL's communicators with gloo's sockets
+
+
+def test_a_failed_cut_still_aborts_the_nccl_communicators(tmp_path, caplog):
+    class FailingSockets(CountingSockets):
+        def cut(self) -> int:
+            raise OSError(24, "Too many open files")
+
+    channel = ReformChannel(tmp_path)
+    channel.ask_pause(3, broken=True)
+    nccl_aborts = []
+    with caplog.at_level("WARNING", logger="elastic_runner.worker.runtime"):
+        with BrokenRoundWatch(channel, lambda: 3, FailingSockets(), poll_s=0.01,
+                              abort_nccl=lambda: nccl_aborts.append(1) or 2):
+            deadline = time.monotonic() + 5
+            while not nccl_aborts and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
+    assert nccl_aborts == [1]
+    assert "cutting its group failed" in caplog.text
+    assert "aborted 2 NCCL group(s)" in caplog.text
 
 
 def test_leaving_the_watch_stops_its_thread_at_once(tmp_path):

@@ -18,7 +18,7 @@ _spec.loader.exec_module(gc)
 
 EXPECT = gc.Expectation(world=2, backend="nccl", steps=60, budget_s=240, pause_bound_s=60)
 NAMES = ["workers started", "backend", "first collective", "collective failure injected",
-         "re-formed in place", "round increased", "new communicator", "world size",
+         "communicator abort", "re-formed in place", "round increased", "new communicator", "world size",
          "device binding kept", "state sent to ranks behind", "training finished",
          "within time"]
 
@@ -35,7 +35,7 @@ def worker_records(rank: int, world: int = 2, pid: int | None = None) -> list[di
         {**formed, "t": 3.0, "round": 0, "new_group": None, "nccl_uid": 0,
          "collective_s": 0.8},
         {"kind": "failed", "pid": pid, "t": 4.0, "round": 0, "rank": rank, "step": 20,
-         "steps": 19, "steps_s": 0.19},
+         "steps": 19, "steps_s": 0.19, "nccl_aborted": 1, "raised": "DistBackendError"},
         {**formed, "t": 5.5, "round": 1, "new_group": True, "nccl_uid": 1,
          "collective_s": 0.4, "checksum": 12.5, "received": 0 if rank == 0 else 4096,
          "sync_source": None if rank == 0 else 0, "sync_s": 0.02},
@@ -83,7 +83,14 @@ def test_parse_records_skips_cut_and_foreign_lines():
     pytest.param(edit(passing(), "formed", 0, collective_s=None), ["first collective"],
                  id="no collective in the training function"),
     pytest.param([r for r in passing() if not (r["kind"] == "failed" and r["pid"] == 1001)],
-                 ["collective failure injected", "within time"], id="one rank never failed"),
+                 ["collective failure injected", "communicator abort", "within time"],
+                 id="one rank never failed"),
+    pytest.param(edit(passing(), "failed", raised="RuntimeError"), ["communicator abort"],
+                 id="the all-reduce after the abort raised something else"),
+    pytest.param(edit(passing(), "failed", raised=None), ["communicator abort"],
+                 id="the all-reduce after the abort succeeded"),
+    pytest.param(edit(passing(), "failed", nccl_aborted=0), ["communicator abort"],
+                 id="no NCCL group found to abort"),
     pytest.param(edit(passing(), "formed", 1, new_group=False), ["new communicator"],
                  id="old group kept"),
     pytest.param(edit(passing(), "formed", 1, nccl_uid=0), ["new communicator"],
@@ -165,7 +172,7 @@ def test_the_report_has_one_line_per_check_and_a_verdict():
     verdicts = [line for line in report if line.startswith(("PASS", "FAIL"))]
     assert len(verdicts) == len(NAMES)
     assert [line.split()[0] for line in verdicts].count("FAIL") == 1
-    assert report[-1] == "gpu_check: 11 of 12 checks passed; failed: device binding kept"
+    assert report[-1] == "gpu_check: 12 of 13 checks passed; failed: device binding kept"
     assert any(line.startswith("time  re-formation pause") and line.endswith("1.500 s")
                for line in report)
 
@@ -177,3 +184,11 @@ def test_cannot_run_without_a_gpu_on_a_cpu_torch():
         pytest.skip("a GPU is visible here")
     with pytest.raises(gc.CannotRun, match="GPU"):
         gc.visible_gpus()
+
+
+def test_the_communicator_abort_is_only_checked_on_nccl():
+    gloo = gc.Expectation(world=2, backend="gloo", steps=60, budget_s=240, pause_bound_s=60)
+    records = edit(edit(passing(), "failed", nccl_aborted=None, raised=None), "formed",
+                   backend="gloo")
+    check = next(c for c in gc.evaluate(records, gloo, 0, 30.0) if c.name == "communicator abort")
+    assert check.ok and "not applicable" in check.detail
