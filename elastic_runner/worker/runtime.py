@@ -249,6 +249,14 @@ def current() -> Context | None:
     return _active[0] if _active else None
 
 
+def sampler_drives_boundaries() -> None:
+    """An ElasticSampler starts a loop: this process's step boundaries are its, from the
+    first step of the round on (sampler.py says why that matters)."""
+    context = current()
+    if context is not None:
+        context.boundary.active = True
+
+
 def at_step_boundary(step: int, samples: int) -> None:
     """ElasticSampler calls this after the body of every step; see step_boundary.py.
 

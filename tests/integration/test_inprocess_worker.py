@@ -304,6 +304,28 @@ def test_a_node_with_notice_leaves_without_a_checkpoint_and_the_others_pause(
     assert_consistent(cluster, {0: 3, 1: 2})
 
 
+def test_a_notice_in_a_rounds_first_step_is_taken_in_place(cluster_of, tmp_path):
+    """Seen in a chaos soak: a peer's notice came 0.1 s after a re-formation, in the
+    round's first step, before the sampler's first boundary; Checkpointer.due() took
+    it the restart path's way (every rank saved and exited), so three nodes restarted.
+    The notice is here before the first step: the others still pause in place, and
+    nothing is checkpointed."""
+    cluster = cluster_of(3)
+    port = free_port()
+    first, second, leaver = cluster.nodes
+    (leaver.dir / "notice").touch()
+    for rank, node in enumerate(cluster.nodes):
+        node.start(cluster, rank, 3, port, 0, "--ckpt", str(tmp_path / "ckpt"), "--every",
+                   "1000")
+    paused = cluster.wait_phase([first, second], 0, PAUSED, expect_exits=(leaver,))
+    assert {(s.step, s.reason) for s in paused} == {(2, ASKED)}  # the pipelined agreement
+    assert cluster.exit_codes([leaver]) == [EXIT_FOR_RESIZE]
+    assert not list((tmp_path / "ckpt").glob("step-*"))
+    assign_in_order((first, second), 1, 2, free_port())
+    assert cluster.exit_codes(cluster.nodes) == [0, 0, EXIT_FOR_RESIZE]
+    assert_consistent(cluster, {0: 3, 1: 2})
+
+
 def test_a_save_refused_because_the_round_closed_does_not_end_the_worker(cluster_of, tmp_path):
     """Seen in the spot replay: rank 0 saved the step in flight just after the next
     round got its plan; the record refused it (the round is over) and the worker died
