@@ -120,3 +120,42 @@ def test_a_store_that_answers_is_met_once_every_rank_arrived():
     assert "error" not in outcome and outcome["store"] is not None and results[0] is not None
     results[0].set("from-rank-0", b"hello")
     assert outcome["store"].get("from-rank-0") == b"hello"
+
+
+def test_a_store_wait_on_a_lost_member_fails_once_the_round_is_cut():
+    """Seen in a chaos soak: a member died while the others created the step boundary's
+    group, which waits in the round's store for every rank's address; the broken-round
+    cut reached the group's connections but not the store's, so the survivors waited
+    out the whole 12 s store timeout. The store's connections are cut with the group's."""
+    from torch.distributed import DistError
+
+    from elastic_runner.worker.abort import group_sockets
+
+    port = free_port()
+    stores: dict = {}
+    rank0 = threading.Thread(target=lambda: stores.setdefault(0, formation.meet(
+        formation.Place(ROUND, 0, WORLD, "127.0.0.1", port), 30.0, lambda: False)), daemon=True)
+    rank0.start()
+    outcome = meet_in_thread(port, 30.0, lambda: False)
+    rank0.join(15)
+    assert outcome["store"] is not None and stores[0] is not None
+    waited: dict = {}
+
+    def wait_for_a_dead_member() -> None:
+        started = time.monotonic()
+        try:
+            outcome["store"].wait(["never-posted-address"])  # the store's 30 s timeout
+        except DistError as error:
+            waited["error"] = error
+        waited["seconds"] = time.monotonic() - started
+
+    waiter = threading.Thread(target=wait_for_a_dead_member, daemon=True)
+    waiter.start()
+    time.sleep(0.3)
+    try:
+        assert group_sockets.cut() >= 2  # rank 1's connection and rank 0's end of it
+        waiter.join(10)
+        assert isinstance(waited.get("error"), DistError)
+        assert waited["seconds"] < 5.0
+    finally:
+        group_sockets.forget()
