@@ -41,7 +41,9 @@ from typing import Any
 
 from elastic_runner.errors import ElasticRunError
 from elastic_runner.worker import state_transfer
+from elastic_runner.worker.abort import group_sockets
 from elastic_runner.worker.sampler import ElasticSampler
+from elastic_runner.worker.step_boundary import default_group_timeout
 
 log = logging.getLogger("elastic_runner.worker.state")
 
@@ -216,8 +218,12 @@ class State(Mapping):
         received here."""
         import torch.distributed as dist
 
-        # Every rank creates the group, members or not: torch requires it.
-        group = dist.new_group(sorted((source, *behind)))
+        # Every rank creates the group, members or not: torch requires it. Its
+        # connections are kept with the round's (abort.group_sockets), so that a
+        # broken round's cut reaches a transfer blocked on a lost or frozen peer, and
+        # it times out with the round's group, not after torch's 30 minutes.
+        with group_sockets.capture():
+            group = dist.new_group(sorted((source, *behind)), timeout=default_group_timeout())
         rank = dist.get_rank()
         if rank != source and rank not in behind:
             return 0

@@ -172,7 +172,7 @@ class StepBoundary:
             # Every rank reaches its first boundary (or due()) at the same step, so
             # this collective group creation lines up across ranks.
             with group_sockets.capture():
-                self._group = dist.new_group(backend="gloo", timeout=_default_group_timeout())
+                self._group = dist.new_group(backend="gloo", timeout=default_group_timeout())
         value, noticed = self._contribution(pause)
         flag = torch.tensor([value, -int(noticed)], dtype=torch.int32)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
@@ -192,13 +192,14 @@ class StepBoundary:
         """The process group failed under us (er.elastic re-forms it): drop the
         agreement in flight unread, and the group with it. Waiting here could block
         on a frozen peer; destroy_process_group still waits for it, but no longer
-        than the job's collective timeout (_default_group_timeout)."""
+        than the job's collective timeout (default_group_timeout)."""
         self._pending = None
         self._group = None
 
 
-def _default_group_timeout() -> datetime.timedelta | None:
-    """The default group's collective timeout, for the boundary's own group.
+def default_group_timeout() -> datetime.timedelta | None:
+    """The default group's collective timeout, for the groups the runtime makes (the
+    boundary's own, State.sync's transfer group).
 
     Why: new_group() without a timeout takes torch's default for gloo, 30 minutes
     (distributed_c10d._get_default_timeout), not the default group's. When a peer

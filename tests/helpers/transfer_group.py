@@ -15,6 +15,11 @@ SHA-256 of its parameters and optimizer state, and, for `source-dies`, what it s
 - `three`: rank 0 ahead; ranks 1 and 2 behind.
 - `equal`: ranks 0 and 1 ahead, rank 2 behind.
 - `source-dies`: rank 0 ahead; it exits after a few buckets, mid-transfer.
+- `source-holds`: rank 0 ahead; after a few buckets it stops sending but keeps its
+  connections open (a frozen peer); 1 s later the receivers cut their groups as the
+  broken-round watch does, and say how long their sync took to fail.
+- `source-holds-uncut`: the same without the cut, the group's timeout 4 s: the
+  transfer's own group must give up with it, not after torch's default 30 minutes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import hashlib
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -33,7 +40,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 AHEAD_STEPS = 3
-AHEAD = {"three": {0}, "equal": {0, 1}, "source-dies": {0}}
+AHEAD = {"three": {0}, "equal": {0, 1}, "source-dies": {0}, "source-holds": {0},
+         "source-holds-uncut": {0}}
+TIMEOUT_S = {"source-holds-uncut": 4}
+CUT_AFTER_S = 1.0
 BUCKETS_BEFORE_DYING = 3
 
 
@@ -84,13 +94,44 @@ def die_mid_transfer() -> None:
     dist.broadcast = broadcast
 
 
+def hold_mid_transfer(out: str) -> None:
+    """The source stops after BUCKETS_BEFORE_DYING tensor broadcasts, its sockets open,
+    until both receivers wrote their results."""
+    real, calls = dist.broadcast, [0]
+
+    def broadcast(tensor, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 2 + BUCKETS_BEFORE_DYING:
+            while not all(Path(out, f"rank{rank}.json").exists() for rank in (1, 2)):
+                time.sleep(0.05)
+            os._exit(0)
+        return real(tensor, *args, **kwargs)
+
+    dist.broadcast = broadcast
+
+
+def cut_later() -> None:
+    """What the broken-round watch does once the agent marks the round broken."""
+    from elastic_runner.worker.abort import group_sockets
+
+    def cut() -> None:
+        time.sleep(CUT_AFTER_S)
+        group_sockets.cut()
+
+    threading.Thread(target=cut, daemon=True).start()
+
+
 def rank_main(rank: int, scenario: str, out: str, port: int) -> None:
     from elastic_runner.worker import state_transfer
     from elastic_runner.worker.elastic import collective_failure
 
+    from elastic_runner.worker.abort import capturing_sockets
+
     state_transfer.BUCKET_BYTES = 1000
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=3, timeout=datetime.timedelta(seconds=30))
+    with capturing_sockets("gloo"):  # as er.init() forms a round's group
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=3, timeout=datetime.timedelta(
+                                    seconds=TIMEOUT_S.get(scenario, 30)))
     model, optimizer, state = build()
     if rank in AHEAD[scenario]:
         for step in range(1, AHEAD_STEPS + 1):
@@ -101,13 +142,20 @@ def rank_main(rank: int, scenario: str, out: str, port: int) -> None:
     before = fingerprint(model, optimizer)
     if scenario == "source-dies" and rank == 0:
         die_mid_transfer()
+    if scenario.startswith("source-holds"):
+        if rank == 0:
+            hold_mid_transfer(out)
+        elif scenario == "source-holds":
+            cut_later()
     result = {"rank": rank, "before": before, "tensor_bytes": sum(
         t.numel() * t.element_size() for t in state_transfer.split(state._states())[1])}
+    started = time.monotonic()
     try:
         result["received"] = state.sync()
     except RuntimeError as error:
         result["error"] = str(error).splitlines()[0]
         result["collective_failure"] = collective_failure(error) is not None
+    result["sync_s"] = time.monotonic() - started
     result.update(step=state.step, after=fingerprint(model, optimizer),
                   tied=model.out.weight.data_ptr() == model.embed.weight.data_ptr(),
                   seen=int(model.seen), adam_states=len(optimizer.state))

@@ -52,3 +52,26 @@ def test_a_source_lost_mid_transfer_leaves_the_receivers_objects_untouched(tmp_p
         assert rank["collective_failure"], rank["error"]
         assert rank["after"] == rank["before"] and rank["step"] == -1
         assert rank["adam_states"] == 0 and rank["seen"] == 0
+
+
+def test_a_transfer_held_by_a_frozen_source_fails_once_the_round_is_cut(tmp_path):
+    """Seen in a chaos soak: a rank sat in the transfer's send for the whole 12 s
+    collective timeout after its agent had cut the round, because the transfer's own
+    group was not among the connections the cut reaches. Here the receivers cut 1 s
+    after the source stopped sending (30 s collective timeout)."""
+    ranks = run("source-holds", tmp_path)
+    assert [r["rank"] for r in ranks] == [1, 2]
+    for rank in ranks:
+        assert rank["collective_failure"], rank.get("error")
+        assert rank["sync_s"] < 10.0
+        assert rank["after"] == rank["before"] and rank["step"] == -1
+
+
+def test_the_transfer_group_gives_up_with_the_rounds_timeout(tmp_path):
+    """Without a cut, the transfer's own group times out as the round's group does
+    (4 s here), not after torch's default for a new gloo group, 30 minutes."""
+    ranks = run("source-holds-uncut", tmp_path)
+    assert [r["rank"] for r in ranks] == [1, 2]
+    for rank in ranks:
+        assert rank["collective_failure"], rank.get("error")
+        assert 3.0 < rank["sync_s"] < 30.0
