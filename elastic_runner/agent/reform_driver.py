@@ -63,8 +63,13 @@ log = logging.getLogger("elastic_runner")
 # parse per worker, and every millisecond here is a millisecond of paused training.
 POLL_S = 0.005
 # Causes that leave the round's group unable to finish a collective: the workers are
-# told to cut it (worker/broken_round.py) rather than wait for a step boundary.
-BROKEN_BY = frozenset({CauseKind.MEMBER_LOST, CauseKind.MEMBER_SUSPECTED})
+# told to cut it (worker/broken_round.py) rather than wait for a step boundary. This
+# node's own lease expired (it froze past the lease): the others have re-formed without
+# it, so its workers' collective in flight can never complete (seen in a chaos soak: a
+# thawed node's workers sat out the 12 s collective timeout while the others waited for
+# them to form the round it rejoined, 24 s without a step).
+BROKEN_BY = frozenset({CauseKind.MEMBER_LOST, CauseKind.MEMBER_SUSPECTED,
+                       CauseKind.LEASE_EXPIRED})
 
 
 class ReformFallback(Exception):

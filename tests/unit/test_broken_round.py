@@ -197,6 +197,7 @@ def test_leaving_the_watch_stops_its_thread_at_once(tmp_path):
 @pytest.mark.parametrize("cause, broken", [
     (Cause.member_lost(["x"]), True),
     (Cause(CauseKind.MEMBER_SUSPECTED, "y local rank 0: collective-error: reset"), True),
+    (Cause(CauseKind.LEASE_EXPIRED), True),  # the others re-formed without this node
 ])
 def test_the_agent_marks_a_round_broken_when_a_member_is_gone(tmp_path, monkeypatch, cause,
                                                               broken):
