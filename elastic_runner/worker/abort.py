@@ -189,16 +189,12 @@ class GroupSockets:
         self._captured: dict[int, str] = {}
 
     @contextlib.contextmanager
-    def capture(self, port: int | None = None) -> Iterator[None]:
-        """Keep the sockets opened meanwhile; with `port`, only those whose own or
-        peer's port it is (a round's store: its clients and rank 0's accepted ends),
-        so that a long capture does not take other threads' connections along."""
+    def capture(self) -> Iterator[None]:
         before = _socket_fds()
         try:
             yield
         finally:
-            opened = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link
-                      and (port is None or _uses_port(fd, link, port))}
+            opened = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link}
             with self._lock:
                 self._captured.update(opened)
 
@@ -233,26 +229,6 @@ class GroupSockets:
 
 
 _IP = (socket.AF_INET, socket.AF_INET6)
-
-
-def _uses_port(fd: int, link: str, port: int) -> bool:
-    """Whether socket `fd` (still `link`) is bound or connected to TCP port `port`."""
-    try:
-        duplicate = os.dup(fd)
-    except OSError:
-        return False
-    if not _same_socket(duplicate, link):
-        os.close(duplicate)
-        return False
-    with socket.socket(fileno=duplicate) as sock:
-        if sock.family not in _IP:
-            return False
-        try:
-            ends = [sock.getsockname()]
-            ends.append(sock.getpeername())
-        except OSError:  # not connected: only its own end counts
-            pass
-        return any(end[1] == port for end in ends)
 
 
 def _same_socket(fd: int, link: str) -> bool:

@@ -115,23 +115,14 @@ def meet(place: Place, timeout_s: float, called_off: Callable[[], bool]) -> Stor
     not all come within `timeout_s` (the caller's evidence that a member is gone).
 
     Every rank of a round must meet here, fresh workers (er.init) and re-forming
-    ones alike: a rank that went straight to torch's env:// would never count.
-
-    The store's connections (rank 0's accepted ones too; no other thread's) are kept
-    with the group's (abort.group_sockets), whatever the backend: when the round
-    breaks, a rank blocked in a store wait (a group created later, the step
-    boundary's, or NCCL's first communicator, waiting for a member that died) fails
-    at once instead of after the store timeout (seen in a chaos soak: 9.8 s)."""
-    from elastic_runner.worker.abort import group_sockets
-
+    ones alike: a rank that went straight to torch's env:// would never count."""
     deadline = time.monotonic() + timeout_s
-    with group_sockets.capture(port=place.master_port):
-        store = _connect(place, timeout_s, deadline, called_off)
-        if store is None:
-            return None
-        key = arrival_key(place.round)
-        if not _count_in(store, key, place.world_size, timeout_s, deadline, called_off):
-            return None
+    store = _connect(place, timeout_s, deadline, called_off)
+    if store is None:
+        return None
+    key = arrival_key(place.round)
+    if not _count_in(store, key, place.world_size, timeout_s, deadline, called_off):
+        return None
     from torch.distributed import PrefixStore
 
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
