@@ -37,6 +37,7 @@ from elastic_runner.agent.prewarm import WarmPool
 from elastic_runner.agent.reform_driver import (
     InProcessReform, ReformBounds, ReformContext, round_fields,
 )
+from elastic_runner.agent.signal_relay import SignalRelay
 from elastic_runner.agent.standby import WarmStart
 from elastic_runner.config import AgentConfig, EtcdConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE, read_progress
@@ -96,6 +97,7 @@ class Agent:
         self._job = job_env(config, etcd, self._scratch, self.events.path)
         self._cloud_watcher = cloud_watcher
         self._signal: int | None = None
+        self._signal_relay: SignalRelay | None = None
         self._signal_seen = threading.Event()
         channel = reform.ReformChannel(Path(self._job.reform_dir))
         self._reform = InProcessReform(ReformContext(
@@ -132,12 +134,10 @@ class Agent:
     def install_signal_handlers(self) -> None:
         """The signals torchrun handles (TORCHELASTIC_SIGNALS_TO_HANDLE): SIGTERM is a
         spot notice (see --notice-deadline); the others stop the node and reach the
-        workers as the same signal."""
+        workers as the same signal. Handled in a relay thread (signal_relay.py)."""
+        self._signal_relay = SignalRelay(self.request_stop)
         for name in self._job.signals_to_handle.split(","):
-            signal.signal(getattr(signal, name.strip()), self._on_signal)
-
-    def _on_signal(self, signum: int, _frame) -> None:
-        self.request_stop(signum)
+            signal.signal(getattr(signal, name.strip()), self._signal_relay.handler)
 
     def request_stop(self, signum: int) -> None:
         """What a caught signal does (the first one counts): the monitor acts on it at
@@ -189,6 +189,9 @@ class Agent:
             self._standby = None
         if self._prewarm:
             self._prewarm.close()
+        if self._signal_relay is not None:
+            self._signal_relay.close()
+            self._signal_relay = None
         shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _start_standby(self) -> Workers:
