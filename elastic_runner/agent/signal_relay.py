@@ -19,9 +19,12 @@ may.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Callable
+
+log = logging.getLogger("elastic_runner")
 
 
 class SignalRelay:
@@ -48,9 +51,16 @@ class SignalRelay:
         try:
             while data := os.read(self._read, 64):
                 for signum in data:
-                    self._react(signum)
+                    self._react_logged(signum)
         finally:
             os.close(self._read)
+
+    def _react_logged(self, signum: int) -> None:
+        """A failed reaction must not end the relay: the next signal still counts."""
+        try:
+            self._react(signum)
+        except Exception:  # noqa: BLE001 - logged with its traceback
+            log.exception("handling signal %d failed", signum)
 
     def close(self) -> None:
         """Stop the relay thread (its read ends once the write end is closed)."""

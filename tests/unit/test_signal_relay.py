@@ -66,3 +66,24 @@ def test_a_signal_landing_while_the_agent_holds_its_stop_event_stops_it(tmp_path
         for name, previous in kept.items():
             signal.signal(getattr(signal, name), previous)
         node.agent.close()
+
+
+def test_a_failed_reaction_does_not_end_the_relay(caplog):
+    seen = []
+
+    def react(signum: int) -> None:
+        seen.append(signum)
+        if len(seen) == 1:
+            raise RuntimeError("etcd went away")
+
+    relay = SignalRelay(react)
+    try:
+        relay.handler(signal.SIGTERM, None)
+        relay.handler(signal.SIGINT, None)
+        deadline = time.monotonic() + 5
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [signal.SIGTERM, signal.SIGINT]
+        assert "handling signal 15 failed" in caplog.text
+    finally:
+        relay.close()
