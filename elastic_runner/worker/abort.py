@@ -22,14 +22,15 @@ once with gloo's own "Connection closed" error, the one a dead peer gives.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
 import threading
 from typing import Iterator
 
-__all__ = ["GroupSockets", "abort_nccl_communicators", "capturing_sockets", "group_sockets",
-           "leave_process_group", "survive_nccl_errors"]
+__all__ = ["GroupSockets", "abort_nccl_communicators", "capturing_new_groups", "capturing_sockets",
+           "group_sockets", "leave_process_group", "survive_nccl_errors"]
 
 _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
@@ -248,3 +249,42 @@ def capturing_sockets(backend: str) -> contextlib.AbstractContextManager:
     if "nccl" in backend.lower():
         return contextlib.nullcontext()
     return group_sockets.capture()
+
+
+# torch 2.13: every group torch makes after the default one (new_group, new_subgroups,
+# DeviceMesh's) is built by distributed_c10d._new_process_group_helper, which those
+# functions look up in the module at each call.
+_GROUP_MAKER = "_new_process_group_helper"
+
+
+@contextlib.contextmanager
+def capturing_new_groups() -> Iterator[None]:
+    """While the training function runs: the connections of every gloo group it
+    makes are kept to cut with the round's own.
+
+    Why: a side group made in train() (a gloo group for all_gather_object beside
+    NCCL training, say) holds a rank blocked on a lost member for that group's
+    timeout, which torch sets to 30 minutes for a new gloo group, and the round's
+    cut would not reach it: the agent would give up on the in-place re-formation
+    and restart every worker. The module's group maker is wrapped while the
+    function runs and put back after; a torch without it is left alone (logged).
+    Groups with an NCCL part are not captured: their communicators are aborted."""
+    import torch.distributed.distributed_c10d as c10d
+
+    make = getattr(c10d, _GROUP_MAKER, None)
+    if make is None:
+        logging.getLogger(__name__).debug(
+            "torch has no %s: groups made in the training function are not cut", _GROUP_MAKER)
+        yield
+        return
+
+    @functools.wraps(make)
+    def make_captured(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs):
+        with capturing_sockets(str(backend)):
+            return make(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs)
+
+    setattr(c10d, _GROUP_MAKER, make_captured)
+    try:
+        yield
+    finally:
+        setattr(c10d, _GROUP_MAKER, make)

@@ -54,7 +54,9 @@ from elastic_runner.reform import (
     ReformChannel, WorkerState,
 )
 from elastic_runner.worker import formation, runtime
-from elastic_runner.worker.abort import capturing_sockets, group_sockets, leave_process_group
+from elastic_runner.worker.abort import (
+    capturing_new_groups, capturing_sockets, group_sockets, leave_process_group,
+)
 from elastic_runner.worker.broken_round import BrokenRoundWatch
 from elastic_runner.worker.quick_exit import exit_for_resize
 from elastic_runner.worker.state import ShardedStateError, State
@@ -168,7 +170,8 @@ class Reformer:
         self._report(TRAINING)
         while True:
             try:
-                with BrokenRoundWatch(self.channel, lambda: self.context.round, group_sockets):
+                with BrokenRoundWatch(self.channel, lambda: self.context.round, group_sockets), \
+                        capturing_new_groups():
                     self.state.sync()
                     result = call()
             except ReformRequested:

@@ -1,7 +1,11 @@
 """One rank of a gloo group whose member 2 freezes: ranks 0 and 1 block in an
 all-reduce (collective timeout 120 s) until their channel says the round is broken.
 
-    python -m tests.helpers.cut_group RANK STORE_FILE CHANNEL_DIR
+    python -m tests.helpers.cut_group RANK STORE_FILE CHANNEL_DIR [subgroup]
+
+`subgroup`: the blocked all-reduce is on a group made as a training function makes
+one (dist.new_group, torch's default timeout: 30 minutes for gloo), under
+capturing_new_groups as er.elastic runs the function.
 
 Prints "blocked" once in the collective, then "failed <seconds> <first line>" when
 it fails, and exits 0; rank 2 stops itself (SIGSTOP) after the first all-reduce.
@@ -21,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_runner.reform import ReformChannel
-from elastic_runner.worker.abort import group_sockets, leave_process_group
+from elastic_runner.worker.abort import capturing_new_groups, group_sockets, leave_process_group
 from elastic_runner.worker.broken_round import BrokenRoundWatch
 from elastic_runner.worker.elastic import collective_failure
 
@@ -33,8 +37,12 @@ def main() -> int:
     with group_sockets.capture():
         dist.init_process_group("gloo", store=dist.FileStore(store_file, WORLD), rank=rank,
                                 world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    group = None
+    if sys.argv[4:] == ["subgroup"]:
+        with capturing_new_groups():
+            group = dist.new_group(list(range(WORLD)))
     tensor = torch.ones(8)
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=group)
     if rank == 2:
         os.kill(os.getpid(), signal.SIGSTOP)
         return 0
@@ -42,7 +50,7 @@ def main() -> int:
         print("blocked", flush=True)
         started = time.monotonic()
         try:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=group)
         except RuntimeError as error:
             print(f"failed {time.monotonic() - started:.2f} {collective_failure(error)}",
                   flush=True)

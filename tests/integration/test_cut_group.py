@@ -13,15 +13,21 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from elastic_runner.reform import ReformChannel
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_marking_the_round_broken_fails_the_blocked_collective_of_each_rank(tmp_path):
+@pytest.mark.parametrize("group", ["default", "subgroup"])
+def test_marking_the_round_broken_fails_the_blocked_collective_of_each_rank(tmp_path, group):
+    """`subgroup`: on a group the training function made itself, whose own timeout
+    (torch's default for gloo) is 30 minutes."""
     store = tmp_path / "store"
+    extra = ["subgroup"] if group == "subgroup" else []
     ranks = [subprocess.Popen([sys.executable, "-m", "tests.helpers.cut_group", str(rank),
-                               str(store), str(tmp_path / f"channel-{rank}")], cwd=ROOT,
+                               str(store), str(tmp_path / f"channel-{rank}"), *extra], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(3)]
     try:

@@ -16,7 +16,7 @@ import pytest
 
 from elastic_runner.reform import TRAINING, ReformChannel
 from elastic_runner.rendezvous.protocol import Cause, CauseKind
-from elastic_runner.worker.abort import GroupSockets
+from elastic_runner.worker.abort import GroupSockets, capturing_new_groups, group_sockets
 from elastic_runner.worker.broken_round import BrokenRoundWatch
 from tests.helpers.reform_fakes import Node
 from tests.unit.test_agent_reform import LOST_X
@@ -104,6 +104,51 @@ def test_forget_leaves_nothing_to_cut(listener):
     assert sockets.cut() == 0
     ours.close()
     theirs.close()
+
+
+def test_gloo_groups_made_in_the_training_function_are_captured_and_no_other(listener,
+                                                                              monkeypatch):
+    """capturing_new_groups wraps torch's group maker while the function runs: the
+    connections a gloo group opens are cut with the round's; an NCCL group's, or a
+    group made after the function returned, are not."""
+    import torch.distributed.distributed_c10d as c10d
+
+    made = []
+
+    def maker(group_size, group_rank, ranks, backend, store, name, **options):
+        made.append(socket.create_connection(listener.getsockname(), timeout=5))
+        return f"{name}:{backend}"
+
+    monkeypatch.setattr(c10d, "_new_process_group_helper", maker)
+    group_sockets.forget()
+    try:
+        with capturing_new_groups():
+            assert c10d._new_process_group_helper(2, 0, [0, 1], "gloo", None, "a") == "a:gloo"
+            c10d._new_process_group_helper(2, 0, [0, 1], "cpu:gloo,cuda:nccl", None, "b")
+        assert c10d._new_process_group_helper is maker
+        c10d._new_process_group_helper(2, 0, [0, 1], "gloo", None, "c")
+        peers = [listener.accept()[0] for _ in made]  # in the order they connected
+        for peer in peers:
+            peer.settimeout(5)
+        made += peers
+        assert group_sockets.cut() == 1
+        assert peers[0].recv(1) == b""  # shut down under the gloo group
+        for ours, theirs in zip(made[1:3], peers[1:]):
+            ours.sendall(b"x")
+            assert theirs.recv(1) == b"x"
+    finally:
+        group_sockets.forget()
+        for end in made:
+            end.close()
+
+
+def test_a_torch_without_the_group_maker_is_left_as_it_is(monkeypatch):
+    import torch.distributed.distributed_c10d as c10d
+
+    monkeypatch.delattr(c10d, "_new_process_group_helper")
+    with capturing_new_groups():
+        assert not hasattr(c10d, "_new_process_group_helper")
+    assert not hasattr(c10d, "_new_process_group_helper")
 
 
 def test_the_channel_says_broken_only_for_that_round_and_only_when_asked(tmp_path):
