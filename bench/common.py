@@ -252,18 +252,23 @@ def wait_until(pred, timeout: float, poll: float = 0.1):
 
 
 # ---- output ----------------------------------------------------------------------
+def etcd_version(binary: str | None = None) -> str:
+    """The version the etcd server `binary` (default: the one the agents find) reports."""
+    try:
+        from elastic_runner.etcd.server import find_etcd_binary
+        out = subprocess.run([find_etcd_binary(binary), "--version"], capture_output=True,
+                             text=True, timeout=10).stdout.split("\n")[0]
+        return out.replace("etcd Version: ", "")
+    except Exception as exc:  # noqa: BLE001
+        return f"unknown ({exc})"
+
+
 def env_info() -> dict:
     import torch
     info = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "cores": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "platform": platform.platform()}
-    try:
-        from elastic_runner.etcd.server import find_etcd_binary
-        out = subprocess.run([find_etcd_binary(), "--version"], capture_output=True, text=True,
-                             timeout=10).stdout.split("\n")[0]
-        info["etcd"] = out.replace("etcd Version: ", "")
-    except Exception as exc:  # noqa: BLE001
-        info["etcd"] = f"unknown ({exc})"
+    info["etcd"] = etcd_version()
     try:
         info["loadavg_at_start"] = os.getloadavg()
     except OSError:
