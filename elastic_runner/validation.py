@@ -13,6 +13,7 @@ import math
 import os
 import resource
 import ssl
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -177,6 +178,26 @@ def check_log_dir(path: str | None) -> Path | None:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"--log-dir {path}: not writable by this user")
     return folder
+
+
+def check_notice_file(path: str | None) -> Path | None:
+    """A notice file already there: the node is being reclaimed before it joined (or
+    the file is left from an earlier run, or names some other file). Joining would
+    start workers only to stop them at once, re-form every other node twice, and end
+    with exit code 0, as a node that trained and left with notice does."""
+    if not path:
+        return None
+    notice = Path(path)
+    try:
+        written = notice.stat().st_mtime
+    except FileNotFoundError:
+        return notice
+    except OSError as exc:
+        raise ConfigError(f"--notice-file {path}: cannot read it ({exc.strerror})") from exc
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(written))
+    raise ConfigError(f"--notice-file {path} already exists (written {stamp}): this node has "
+                      "a spot notice before joining, so it does not join; remove the file "
+                      "if it is left from an earlier run")
 
 
 def worker_capacity(cpu_count: int | None = None) -> tuple[int, str]:

@@ -31,7 +31,8 @@ from elastic_runner.contract import DEFAULT_SIGNALS_TO_HANDLE, PYTHON_ENTRY
 from elastic_runner.errors import ConfigError
 from elastic_runner.etcd.endpoints import parse_endpoint
 from elastic_runner.validation import (
-    check_id, check_log_dir, check_nproc, check_numbers, check_tls_files, sanitize_id, settle_cap,
+    check_id, check_log_dir, check_notice_file, check_nproc, check_numbers, check_tls_files,
+    sanitize_id, settle_cap,
 )
 
 SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
@@ -87,7 +88,7 @@ def build_config(args, environ: Mapping[str, str], gpu_count: int) -> AgentConfi
                            prewarm=args.prewarm)
     verbosity = 0 if args.quiet else 1 + args.verbose
     return AgentConfig(rendezvous, etcd, workers, args.max_restarts, verbosity,
-                       args.notice_deadline, Path(args.notice_file) if args.notice_file else None,
+                       args.notice_deadline, check_notice_file(args.notice_file),
                        args.metrics_port, args.metrics_addr,
                        signals_to_handle(environ.get(SIGNALS_ENV, DEFAULT_SIGNALS_TO_HANDLE)),
                        cloud_notice=cloud_notice)

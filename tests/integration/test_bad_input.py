@@ -261,6 +261,10 @@ CASES = [
                  2, ["--metrics-port {port}", "cannot listen"], id="metrics-port-in-use"),
     pytest.param(a_regular_file, lambda c: ["--log-dir", "logs", c.script],
                  2, ["--log-dir logs: exists and is not a directory"], id="log-dir-is-a-file"),
+    # A notice file already there: not a node that joins, trains nothing and exits 0
+    pytest.param(a_regular_file, lambda c: ["--notice-file", "logs", c.script],
+                 2, ["--notice-file logs already exists", "does not join"],
+                 id="notice-file-already-there"),
     # TLS: refused before gRPC can abort the process, or named as TLS when the handshake fails
     pytest.param(pem_files, lambda c: ["--rdzv-endpoints", "https://127.0.0.1:1",
                                        "--etcd-cert", c.values["client_cert"], c.script],
