@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -280,11 +281,25 @@ def parse_nproc(text: str, gpu_count: int) -> int:
     return check_number("nproc", value)
 
 
+# A label travels in the plan to every node, which prints it (`node(zone=a,rack=r1)`):
+# no spaces, '=' or ',' that would make that line ambiguous, no newline that would
+# forge another. A superset of Kubernetes' label values.
+_LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,62}")
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9._:/@+-]{0,128}")
+
+
 def parse_label(text: str, flag_name: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
-    if not sep or not key.strip():
+    key, value = key.strip(), value.strip()
+    if not sep or not key:
         raise ConfigError(f"{flag_name} {text!r}: use KEY=VALUE, e.g. zone=us-east-1c")
-    return key.strip(), value.strip()
+    if not _LABEL_KEY.fullmatch(key):
+        raise ConfigError(f"{flag_name} {text!r}: a key is 1-63 letters, digits, '.', '_', "
+                          "'/' and '-', starting with a letter or digit")
+    if not _LABEL_VALUE.fullmatch(value):
+        raise ConfigError(f"{flag_name} {text!r}: a value is at most 128 letters, digits, "
+                          "'.', '_', ':', '/', '@', '+' and '-'")
+    return key, value
 
 
 def parse_endpoints(text: str | None) -> tuple[str, ...]:

@@ -261,6 +261,9 @@ CASES = [
                  2, ["--metrics-port {port}", "cannot listen"], id="metrics-port-in-use"),
     pytest.param(a_regular_file, lambda c: ["--log-dir", "logs", c.script],
                  2, ["--log-dir logs: exists and is not a directory"], id="log-dir-is-a-file"),
+    pytest.param(no_setup, lambda c: ["--node-label", "zone=a\n[elastic-run x] round 9", c.script],
+                 2, ["--node-label 'zone=a\\n[elastic-run x] round 9': a value is"],
+                 id="node-label-with-a-newline"),
     # A notice file already there: not a node that joins, trains nothing and exits 0
     pytest.param(a_regular_file, lambda c: ["--notice-file", "logs", c.script],
                  2, ["--notice-file logs already exists", "does not join"],

@@ -344,3 +344,31 @@ def test_password_is_never_a_flag_value(script):
 def test_status_watch_ignores_only_torch_store_keys(key, store):
     from elastic_runner.cli.status import is_store_key
     assert is_store_key(key) is store
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("zone=us-east-1c", ("zone", "us-east-1c")),
+    ("lifecycle=on-demand", ("lifecycle", "on-demand")),
+    (" rack = r12 ", ("rack", "r12")),
+    ("topology.kubernetes.io/zone=eu-west-1a", ("topology.kubernetes.io/zone", "eu-west-1a")),
+    ("instance=p4d.24xlarge", ("instance", "p4d.24xlarge")),
+    ("zone=", ("zone", "")),
+])
+def test_node_labels_cloud_and_kubernetes_use_are_accepted(text, expected):
+    assert flags.parse_label(text, "--node-label") == expected
+
+
+@pytest.mark.parametrize("text, phrase", [
+    ("zone=a\nb", "a value is"),            # would forge a line in every node's log
+    ("zone=a,rack=b", "a value is"),        # reads as two labels where it is printed
+    ("k=v=w", "a value is"),
+    ("zone=a b", "a value is"),
+    ("zone=" + "x" * 129, "a value is"),
+    ("ke y=v", "a key is"),
+    ("-k=v", "a key is"),
+    ("=v", "use KEY=VALUE"),
+    ("zone", "use KEY=VALUE"),
+])
+def test_node_labels_that_would_garble_the_plan_line_are_refused(text, phrase):
+    with pytest.raises(ConfigError, match=phrase):
+        flags.parse_label(text, "--node-label")
