@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from elastic_runner.cli.flags import (
-    RUN_FLAGS, build_parser, default_run_id, parse_nodes, parse_nproc)
+    RUN_FLAGS, build_parser, default_run_id, parse_label, parse_nodes, parse_nproc)
 from elastic_runner.cli.deploy_quoting import (
     PARTITION, TIME, check_dns_label, check_grammar, check_id, check_text, kube_literal,
     printable, shell_join, shell_quote)
@@ -180,9 +180,19 @@ def check_args(kind: str, args: argparse.Namespace, min_nodes: int) -> None:
         if kind == "kubernetes" and value:
             raise ConfigError(f"deploy kubernetes: {flag} is for slurm only")
     check_proxies(kind, args)
+    check_labels(args)
     if not args.dryrun and not args.output:
         raise ConfigError(f"deploy {kind}: give --output DIR to write the files, or --dryrun to print them")
     check_names(kind, args)
+
+
+def check_labels(args: argparse.Namespace) -> None:
+    """Every agent refuses a label outside parse_label's grammar when it starts: a
+    deployment carrying one would only restart its pods over and over."""
+    for text in args.node_label:
+        parse_label(text, "--node-label")
+    if args.rank0_prefer not in ("", "none"):
+        parse_label(args.rank0_prefer, "--rank0-prefer")
 
 
 def check_proxies(kind: str, args: argparse.Namespace) -> None:

@@ -100,17 +100,31 @@ def assert_refused(argv: list[str], message: str, capsys) -> None:
     assert all(c.isprintable() for c in err[:-1]), err
 
 
+def label_ok(value: str) -> bool:
+    """Whether `value` is a label value every agent takes (flags.parse_label)."""
+    try:
+        flags.parse_label(f"k={value}", "--node-label")
+    except ConfigError:
+        return False
+    return True
+
+
+REFUSED_LABELS = [v for v in HOSTILE if not label_ok(v)]
+
+
 def free_flags(value: str) -> list[str]:
-    """Launcher flags deploy passes through, each set to `value` (`=`: it may start with -)."""
-    return [f"--log-dir={value}", f"--notice-file={value}", f"--etcd-user={value}",
-            f"--node-label=k={value}", f"--rank0-prefer={value}"]
+    """Launcher flags deploy passes through, each set to `value` (`=`: it may start with -);
+    a label only where its grammar takes it (the rest: test_hostile_labels_are_refused)."""
+    labels = [f"--node-label=k={value}", f"--rank0-prefer=k={value}"] if label_ok(value) else []
+    return [f"--log-dir={value}", f"--notice-file={value}", f"--etcd-user={value}", *labels]
 
 
 def assert_agent_reads(agent_argv: list[str], value: str, script: str, run_id: str) -> None:
     """The launcher, given the rendered argv, sees every value exactly as typed."""
     args = flags.build_parser().parse_args(agent_argv)
-    assert (args.log_dir, args.notice_file, args.etcd_user, args.rank0_prefer) == (value,) * 4
-    assert args.node_label == [f"k={value}"]
+    assert (args.log_dir, args.notice_file, args.etcd_user) == (value,) * 3
+    if label_ok(value):
+        assert (args.node_label, args.rank0_prefer) == ([f"k={value}"], f"k={value}")
     assert (args.entrypoint, args.args) == (script, [value, "--lr", value])
     assert args.run_id == run_id and id_problem(run_id) is None
 
@@ -208,7 +222,25 @@ def test_kubernetes_files_hold_their_documents(value, capsys, tmp_path):
         ["etcd.yaml", "train.yaml"]
 
 
-# ---- names are refused ------------------------------------------------------------------
+# ---- labels and names are refused --------------------------------------------------------
+@pytest.mark.parametrize("kind", ["kubernetes", "slurm"])
+@pytest.mark.parametrize("value", REFUSED_LABELS, ids=[ascii(v)[1:-1][:40] for v in REFUSED_LABELS])
+def test_hostile_labels_are_refused(kind, value, capsys):
+    """Every agent would refuse them at its start: deploy refuses them first. (The
+    hostile values the grammar takes, `true`, `-x`, `--log-dir`, ride free_flags.)"""
+    assert_refused([kind, "--dryrun", f"--node-label=zone={value}", "train.py"],
+                   "--node-label", capsys)
+    assert_refused([kind, "--dryrun", f"--rank0-prefer=zone={value}", "train.py"],
+                   "--rank0-prefer", capsys)
+
+
+def test_labels_the_agent_takes_are_rendered(capsys):
+    assert deploy.main(["kubernetes", "--dryrun", "--node-label=zone=us-east-1c",
+                        "--rank0-prefer=lifecycle=on-demand", "train.py"], {}) == 0
+    out = capsys.readouterr().out
+    assert "zone=us-east-1c" in out
+
+
 @pytest.mark.parametrize("kind", ["kubernetes", "slurm"])
 @pytest.mark.parametrize("value", BAD_NAMES, ids=[ascii(v)[1:-1][:40] for v in BAD_NAMES])
 def test_bad_run_ids_and_names_are_refused(kind, value, capsys):
