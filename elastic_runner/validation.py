@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import socket
 import ssl
 import time
 from dataclasses import dataclass
@@ -178,6 +179,20 @@ def check_log_dir(path: str | None) -> Path | None:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"--log-dir {path}: not writable by this user")
     return folder
+
+
+def check_master_addr(host: str, flag_name: str = "--master-addr") -> str:
+    """The address the other nodes dial for rank 0's store when it is on this node. It
+    need not be this machine's own (behind NAT it is not: the store listens on every
+    interface), but a name that resolves nowhere, or text that is no host at all, would
+    only fail later, in every worker of the round, far from the flag that caused it."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError(f"{flag_name} {host!r} does not resolve ({why}); give the address "
+                          "or name the other nodes reach this node at") from None
+    return host
 
 
 def check_notice_file(path: str | None) -> Path | None:

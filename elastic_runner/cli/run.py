@@ -31,8 +31,8 @@ from elastic_runner.contract import DEFAULT_SIGNALS_TO_HANDLE, PYTHON_ENTRY
 from elastic_runner.errors import ConfigError
 from elastic_runner.etcd.endpoints import parse_endpoint
 from elastic_runner.validation import (
-    check_id, check_log_dir, check_notice_file, check_nproc, check_numbers, check_tls_files,
-    sanitize_id, settle_cap,
+    check_id, check_log_dir, check_master_addr, check_notice_file, check_nproc, check_numbers,
+    check_tls_files, sanitize_id, settle_cap,
 )
 
 SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
@@ -65,7 +65,7 @@ def build_config(args, environ: Mapping[str, str], gpu_count: int) -> AgentConfi
     argv, fingerprint = entry_argv(args)
     rendezvous = RendezvousConfig(
         run_id, node_id, min_nodes, max_nodes, args.lease_ttl,
-        args.join_timeout, args.settle, args.master_addr or local_address(endpoints),
+        args.join_timeout, args.settle, master_addr(args, endpoints),
         args.master_port, drain_timeout_s=args.notice_deadline + args.stop_grace, nproc=nproc,
         min_workers=args.min_workers, max_workers=args.max_workers,
         settle_max_s=settle_cap(args.settle, args.settle_max),
@@ -126,6 +126,13 @@ def entry_argv(args) -> tuple[tuple[str, ...], str]:
 
 def default_node_id() -> str:
     return f"{os.uname().nodename}-{os.getpid()}"
+
+
+def master_addr(args, endpoints: tuple[str, ...]) -> str:
+    if args.master_addr:
+        return check_master_addr(args.master_addr)
+    return check_master_addr(local_address(endpoints),
+                             "this node's own address (found from its route to etcd)")
 
 
 def local_address(endpoints: tuple[str, ...]) -> str:

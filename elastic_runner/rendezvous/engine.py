@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 # evaluation reads every joiner, so evaluating per event costs O(N^2) per agent
 # per round. The window grows with the number of nodes and stays far below a
 # process restart.
+# Where a free port for rank 0's store is looked for: every interface (_joiner).
+ANY_ADDRESS = "0.0.0.0"
 BATCH_S_PER_NODE = 0.0001
 MAX_BATCH_S = 0.05
 # A copy of etcd whose counts still disagree after this long is read again.
@@ -268,7 +270,10 @@ class EtcdRendezvous(WhileRunning):
                 return
 
     def _joiner(self) -> p.Joiner:
-        port = self._config.master_port or free_port(self._config.node_addr)
+        # Rank 0's TCPStore listens on every interface (torch's TCPStore server binds the
+        # wildcard address); node_addr is only what the others dial, which behind NAT
+        # is no address of this machine. So the port is one free on all of them.
+        port = self._config.master_port or free_port(ANY_ADDRESS)
         return p.Joiner(self.node_id, self._config.node_addr, port, self._config.nproc,
                         labels=self._config.labels)
 

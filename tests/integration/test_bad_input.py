@@ -264,6 +264,8 @@ CASES = [
     pytest.param(no_setup, lambda c: ["--node-label", "zone=a\n[elastic-run x] round 9", c.script],
                  2, ["--node-label 'zone=a\\n[elastic-run x] round 9': a value is"],
                  id="node-label-with-a-newline"),
+    pytest.param(no_setup, lambda c: ["--master-addr", "a b", c.script],
+                 2, ["--master-addr 'a b' does not resolve"], id="master-addr-resolves-nowhere"),
     # A notice file already there: not a node that joins, trains nothing and exits 0
     pytest.param(a_regular_file, lambda c: ["--notice-file", "logs", c.script],
                  2, ["--notice-file logs already exists", "does not join"],

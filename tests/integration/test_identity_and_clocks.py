@@ -197,3 +197,14 @@ def test_settle_counts_quiet_from_when_each_arrival_was_seen(node, offset):
     nodes.append(node(run, "c", **timing))
     plan = wait_for_agreement(nodes, 3, timeout_s=SETTLE_MAX_S)
     assert plan.round == 0
+
+
+def test_a_published_address_that_is_not_this_machines_gets_a_round(node):
+    """Behind NAT the address the others dial (--master-addr) is none of this machine's.
+    Rank 0's store listens on every interface, so its port is picked there; picking it
+    on the published address failed (cannot assign requested address) and ended the
+    agent in a traceback. 192.0.2.1 is a documentation address, never assigned."""
+    natted = node("nat", "a", node_addr="192.0.2.1")
+    plan = wait_for_agreement([natted], 1, timeout_s=30)
+    assert (plan.master_addr, plan.members[0].node_id) == ("192.0.2.1", "a")
+    assert 0 < plan.master_port < 65536

@@ -9,7 +9,7 @@ from elastic_runner.cli.run import build_config
 from elastic_runner.errors import ConfigError
 from elastic_runner.ids import id_problem
 from elastic_runner.validation import (
-    check_log_dir, check_nproc, parse_bool, sanitize_id, worker_capacity,
+    check_log_dir, check_master_addr, check_nproc, parse_bool, sanitize_id, worker_capacity,
 )
 
 
@@ -135,3 +135,15 @@ def test_tls_half_pair_is_refused_before_grpc(tmp_path):
         with pytest.raises(ConfigError, match=phrase):
             config_for(tmp_path, "--rdzv-endpoints", "https://127.0.0.1:1", *flags)
 
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "10.0.0.1", "192.0.2.1", "::1"])
+def test_a_master_address_that_resolves_is_taken_even_when_not_this_machines(host):
+    assert check_master_addr(host) == host  # behind NAT the published address is not ours
+
+
+@pytest.mark.parametrize("host", ["a b", "h\nx", "", "x" * 300])
+def test_a_master_address_that_resolves_nowhere_is_one_clear_error(host):
+    with pytest.raises(ConfigError, match="does not resolve") as info:
+        check_master_addr(host)
+    assert "\n" not in str(info.value)
