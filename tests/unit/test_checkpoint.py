@@ -368,3 +368,23 @@ def test_plain_python_payload_round_trips_weights_only(state):
         assert Checkpointer(url, rank=1).load_latest() == state
     finally:
         fsspec.filesystem("memory").rm(url, recursive=True)
+
+
+@pytest.mark.parametrize("location, phrase", [
+    ("", "is empty"),                            # an unset variable: not the start folder
+    ("   ", "is empty"),
+    ("/tmp/ckpt\nstep-9", "control character"),  # would forge lines in the logs
+    ("file:///tmp/a\tb", "control character"),
+])
+def test_a_location_that_is_empty_or_has_a_control_character_is_refused(location, phrase,
+                                                                      tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=phrase):
+        Checkpointer(location, every=5)
+    assert list(tmp_path.iterdir()) == []  # nothing written where the worker started
+
+
+def test_a_backend_that_cannot_connect_is_a_checkpoint_error():
+    """fsspec's ftp connects when the filesystem is made; its socket error becomes ours."""
+    with pytest.raises(CheckpointError, match="cannot open checkpoint location 'ftp://"):
+        Checkpointer("ftp://127.0.0.1:1/run", every=5)

@@ -29,10 +29,23 @@ def _write_all(fileobj: Any, data: bytes) -> None:
     files.write_chunks(fileobj, data)
 
 
+def _check_location(url: str) -> None:
+    """An empty location (an unset variable, say) would put checkpoints in whatever
+    folder the worker started in; a control character would break every log line
+    that names a checkpoint."""
+    if not url.strip():
+        raise CheckpointError("the checkpoint location is empty: give a folder or a URL "
+                              "such as s3://bucket/run")
+    if any(not char.isprintable() for char in url):
+        raise CheckpointError(f"the checkpoint location {url!r} holds a control character "
+                              "(a newline, say): give it without")
+
+
 class Storage:
     """fsspec wrapper that knows how to make a write durable per filesystem."""
 
     def __init__(self, url: str, options: Mapping[str, Any]) -> None:
+        _check_location(url)
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
         except (ImportError, ValueError) as exc:
@@ -40,6 +53,8 @@ class Storage:
                 f"cannot open checkpoint location {url!r}: {exc}. Install the fsspec "
                 "backend for its protocol (e.g. s3fs, gcsfs) or use a local path."
             ) from exc
+        except OSError as exc:  # a backend that connects at once (ftp, sftp, hdfs)
+            raise CheckpointError(f"cannot open checkpoint location {url!r}: {exc}") from exc
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
 
