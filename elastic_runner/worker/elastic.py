@@ -112,6 +112,10 @@ def elastic(state: State) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         raise TypeError(f"er.elastic needs an er.State, got {type(state).__name__}")
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(fn):  # found here, not at the first call after the model is built
+            raise TypeError(f"er.elastic(state) decorates a training function, got "
+                            f"{type(fn).__name__}")
+
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             return _run(state, functools.partial(fn, state, *args, **kwargs))

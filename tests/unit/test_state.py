@@ -238,6 +238,16 @@ def test_er_elastic_needs_a_state():
         er.elastic({"model": torch.nn.Linear(1, 1)})
 
 
+def test_er_elastic_without_its_state_argument_or_function_says_so_at_once():
+    def train(state):
+        pass
+
+    with pytest.raises(TypeError, match="needs an er.State, got function"):
+        er.elastic(train)  # @er.elastic instead of @er.elastic(state)
+    with pytest.raises(TypeError, match="decorates a training function, got int"):
+        er.elastic(make_state())(123)
+
+
 def paused_worker(context, tmp_path, timeout_s: float = 60.0) -> elastic.Reformer:
     channel = ReformChannel(tmp_path / "reform")
     return elastic.Reformer(make_state(), context, channel,
