@@ -35,7 +35,8 @@ from typing import Any
 import yaml
 
 from elastic_runner.cli.flags import (
-    RUN_FLAGS, build_parser, default_run_id, parse_label, parse_nodes, parse_nproc)
+    RUN_FLAGS, build_parser, default_run_id, parse_label, parse_nodes, parse_nproc,
+    parse_rank0_prefer)
 from elastic_runner.cli.deploy_quoting import (
     PARTITION, TIME, check_dns_label, check_grammar, check_id, check_text, kube_literal,
     printable, shell_join, shell_quote)
@@ -191,8 +192,7 @@ def check_labels(args: argparse.Namespace) -> None:
     deployment carrying one would only restart its pods over and over."""
     for text in args.node_label:
         parse_label(text, "--node-label")
-    if args.rank0_prefer not in ("", "none"):
-        parse_label(args.rank0_prefer, "--rank0-prefer")
+    parse_rank0_prefer(args.rank0_prefer)
 
 
 def check_proxies(kind: str, args: argparse.Namespace) -> None:

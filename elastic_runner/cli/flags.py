@@ -302,6 +302,11 @@ def parse_label(text: str, flag_name: str) -> tuple[str, str]:
     return key, value
 
 
+def parse_rank0_prefer(text: str | None) -> tuple[str, str] | None:
+    """--rank0-prefer: a label, or '' / 'none' for no preference."""
+    return None if text in (None, "", "none") else parse_label(text, "--rank0-prefer")
+
+
 def parse_endpoints(text: str | None) -> tuple[str, ...]:
     """--rdzv-endpoints: comma-separated, blanks dropped (checked by the caller)."""
     return tuple(e.strip() for e in (text or "").split(",") if e.strip())

@@ -22,7 +22,8 @@ from typing import Mapping
 
 from elastic_runner.agent.cloud_notice import CLOUDS, DEFAULT_BASE_URLS
 from elastic_runner.cli.flags import (
-    default_run_id, parse_endpoints, parse_label, parse_nodes, parse_nproc, read_password,
+    default_run_id, parse_endpoints, parse_label, parse_nodes, parse_nproc, parse_rank0_prefer,
+    read_password,
 )
 from elastic_runner.config import (
     AgentConfig, CloudNoticeConfig, EtcdConfig, RendezvousConfig, WorkerConfig,
@@ -71,8 +72,7 @@ def build_config(args, environ: Mapping[str, str], gpu_count: int) -> AgentConfi
         settle_max_s=settle_cap(args.settle, args.settle_max),
         suspect_grace_s=args.suspect_grace,
         labels=tuple(sorted(parse_label(t, "--node-label") for t in args.node_label)),
-        rank0_prefer=None if args.rank0_prefer in ("", "none")
-        else parse_label(args.rank0_prefer, "--rank0-prefer"))
+        rank0_prefer=parse_rank0_prefer(args.rank0_prefer))
     if args.max_workers and args.max_workers < max(args.min_workers, nproc):
         raise ConfigError(f"--max-workers {args.max_workers} is below --min-workers or this "
                           f"node's {nproc} worker(s); raise --max-workers")

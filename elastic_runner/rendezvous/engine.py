@@ -45,12 +45,12 @@ from elastic_runner.rendezvous.running import RoundView, WhileRunning
 
 log = logging.getLogger(__name__)
 
+# Where a free port for rank 0's store is looked for: every interface (_joiner).
+ANY_ADDRESS = "0.0.0.0"
 # After a wake-up, let further watch events land before re-evaluating: one
 # evaluation reads every joiner, so evaluating per event costs O(N^2) per agent
 # per round. The window grows with the number of nodes and stays far below a
 # process restart.
-# Where a free port for rank 0's store is looked for: every interface (_joiner).
-ANY_ADDRESS = "0.0.0.0"
 BATCH_S_PER_NODE = 0.0001
 MAX_BATCH_S = 0.05
 # A copy of etcd whose counts still disagree after this long is read again.

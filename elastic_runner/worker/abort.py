@@ -29,8 +29,8 @@ import socket
 import threading
 from typing import Iterator
 
-__all__ = ["GroupSockets", "abort_nccl_communicators", "capturing_new_groups", "capturing_sockets",
-           "group_sockets", "leave_process_group", "survive_nccl_errors"]
+__all__ = ["GroupSockets", "abort_nccl_communicators", "capturing_new_groups",
+           "capturing_sockets", "group_sockets", "leave_process_group", "survive_nccl_errors"]
 
 _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
