@@ -65,6 +65,10 @@ def wait_ready(process: subprocess.Popen, ready: Callable[[], bool], deadline_s:
     raise EtcdUnavailable(f"{what} not {state} within {deadline_s:g} s; see {log_path}")
 
 
+# A port free on this address is free on every address of this machine.
+EVERY_INTERFACE = "0.0.0.0"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 

@@ -29,12 +29,11 @@ from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
     LeaseNotFound, RendezvousTimeout, RunFinished, ShutdownRequested, WorkerFailure,
 )
-from elastic_runner.etcd.client import (
-    Delete, EtcdClient, KeyValue, Put, key_missing, mod_revision_is,
-)
+from elastic_runner.etcd.client import (Delete, EtcdClient, KeyValue, Put, key_missing,
+                                       mod_revision_is)
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
-from elastic_runner.etcd.server import free_port
+from elastic_runner.etcd.server import EVERY_INTERFACE, free_port
 from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous import carried_plan, ranks, registration
@@ -45,8 +44,6 @@ from elastic_runner.rendezvous.running import RoundView, WhileRunning
 
 log = logging.getLogger(__name__)
 
-# Where a free port for rank 0's store is looked for: every interface (_joiner).
-ANY_ADDRESS = "0.0.0.0"
 # After a wake-up, let further watch events land before re-evaluating: one
 # evaluation reads every joiner, so evaluating per event costs O(N^2) per agent
 # per round. The window grows with the number of nodes and stays far below a
@@ -270,10 +267,8 @@ class EtcdRendezvous(WhileRunning):
                 return
 
     def _joiner(self) -> p.Joiner:
-        # Rank 0's TCPStore listens on every interface (torch's TCPStore server binds the
-        # wildcard address); node_addr is only what the others dial, which behind NAT
-        # is no address of this machine. So the port is one free on all of them.
-        port = self._config.master_port or free_port(ANY_ADDRESS)
+        # Rank 0's TCPStore listens on every interface; node_addr (dialled) may be NAT'd.
+        port = self._config.master_port or free_port(EVERY_INTERFACE)
         return p.Joiner(self.node_id, self._config.node_addr, port, self._config.nproc,
                         labels=self._config.labels)
 
