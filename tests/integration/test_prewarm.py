@@ -21,7 +21,8 @@ from elastic_runner.contract import PREWARM_MODULE, PYTHON_ENTRY, WorkerEnv
 from elastic_runner.rendezvous.protocol import Member, Plan
 
 PROBE = '''import json, os, sys
-print(json.dumps({"torch_preloaded": "torch" in sys.modules, "argv": sys.argv,
+print(json.dumps({"torch_preloaded": "torch" in sys.modules,
+                  "dynamo_preloaded": "torch._dynamo" in sys.modules, "argv": sys.argv,
                   "name": __name__, "path0": sys.path[0], "rank": os.environ.get("RANK"),
                   "pid": os.getpid(), "stdin": sys.stdin.read(),
                   "marker": os.environ.get("MARKER")}), flush=True)
@@ -54,6 +55,7 @@ def test_a_waiting_interpreter_runs_a_script_as_python_would(probe):
     code, seen = order(interpreter(), [str(probe), "--lr", "0.1"], env)
     assert code == 3
     assert seen["torch_preloaded"] is True and seen["name"] == "__main__"
+    assert seen["dynamo_preloaded"] is True  # what a script's first optimizer imports
     assert seen["argv"] == [str(probe), "--lr", "0.1"]
     assert seen["path0"] == str(probe.parent) and seen["rank"] == "5" and seen["stdin"] == ""
 
