@@ -6,7 +6,9 @@ worker per visible GPU) on scripts/gpu_check_worker.py, whose ranks all fail a
 collective at one step of the first round; the job must re-form in place (same
 processes, a later round, a new NCCL communicator, each worker on the same GPU)
 and train to the end. The workers' JSON lines are the evidence; `evaluate` turns
-them into one PASS/FAIL line per check, and the timings follow.
+them into one PASS/FAIL line per check, and the timings follow. One more check starts
+a `--prewarm` waiting interpreter: it must have imported torch._dynamo ahead without
+making a CUDA context (which would hold GPU memory beside a training worker).
 
 Exit codes: 0 every check passed; 1 a check failed; 2 nothing to check here (no GPU
 visible, or a torch without CUDA or NCCL). `--cpu` runs the same flow on gloo with
@@ -311,6 +313,62 @@ def format_report(checks: list[Check], times: list[tuple[str, float | None, str]
     return "\n".join(lines)
 
 
+# ---- a --prewarm interpreter on this machine -------------------------------------------
+# Run in a waiting interpreter (worker/prewarm.py) before anything touches CUDA: what it
+# imported ahead, and whether that import made a CUDA context. A context would hold GPU
+# memory beside the worker training on that GPU for as long as the interpreter waits.
+PREWARM_PROBE = """import json, os, shutil, subprocess, sys
+import torch
+smi = shutil.which("nvidia-smi")
+holders = None
+if smi:
+    listed = subprocess.run([smi, "--query-compute-apps=pid", "--format=csv,noheader"],
+                            capture_output=True, text=True, timeout=30).stdout.split()
+    holders = [int(pid) for pid in listed if pid.isdigit()]
+print(json.dumps({"dynamo": "torch._dynamo" in sys.modules,
+                  "cuda_initialized": torch.cuda.is_initialized(),
+                  "holds_gpu": None if holders is None else os.getpid() in holders}))
+"""
+PREWARM_CHECK = "waiting interpreter (--prewarm)"
+
+
+def probe_warm_interpreter(workdir: Path, env: dict[str, str],
+                           timeout_s: float = 120.0) -> dict | None:
+    """Start a waiting interpreter as the agent does and hand it the probe; its answer,
+    or None when it gave none in time."""
+    from elastic_runner.contract import PREWARM_MODULE, PYTHON_ENTRY
+
+    probe = workdir / "prewarm_probe.py"
+    probe.write_text(PREWARM_PROBE)
+    waiting = subprocess.Popen([*PYTHON_ENTRY, "-m", PREWARM_MODULE], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    order = json.dumps({"argv": [str(probe)], "env": env}) + "\n"
+    try:
+        out, _ = waiting.communicate(order.encode(), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        waiting.kill()
+        waiting.wait()
+        return None
+    lines = out.decode(errors="replace").strip().splitlines()
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
+
+
+def prewarm_check(answer: dict | None) -> Check:
+    if answer is None:
+        return Check(PREWARM_CHECK, False, "the waiting interpreter gave no answer")
+    if not answer.get("dynamo"):
+        return Check(PREWARM_CHECK, False, "torch._dynamo was not imported ahead")
+    if answer.get("cuda_initialized") or answer.get("holds_gpu"):
+        return Check(PREWARM_CHECK, False, "it made a CUDA context while waiting (GPU memory "
+                                           "held beside the worker training on that GPU)")
+    seen = {None: "nvidia-smi not found", False: "nvidia-smi lists no context of it"}
+    return Check(PREWARM_CHECK, True, "torch and torch._dynamo imported, torch.cuda not "
+                                      f"initialised; {seen[answer.get('holds_gpu')]}")
+
+
 # ---- this machine and the run ------------------------------------------------------------
 def visible_gpus() -> int:
     """GPUs this torch can use; CannotRun (with the reason) when there are none."""
@@ -401,7 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     records = parse_records(out.read_text().splitlines() if out.exists() else [])
     expect = Expectation(world, "gloo" if args.cpu else "nccl", args.steps,
                          args.timeout, args.pause_bound)
-    checks = evaluate(records, expect, code, wall)
+    visible = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # as for local rank 0
+    warm_env = {**env, "CUDA_VISIBLE_DEVICES": visible}
+    checks = evaluate(records, expect, code, wall) + [
+        prewarm_check(probe_warm_interpreter(workdir, warm_env))]
     print(format_report(checks, timings(records, wall)), flush=True)
     if not all(check.ok for check in checks):
         tail = log.read_text(errors="replace").splitlines()[-25:] if log.exists() else []

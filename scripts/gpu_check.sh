@@ -2,8 +2,9 @@
 # One prepared check for a GPU machine (issue 15): elastic-run --standalone
 # --nproc-per-node auto on scripts/gpu_check_worker.py. It checks NCCL
 # initialisation, one in-process re-formation into a new NCCL communicator with
-# every worker kept on its GPU, and prints one PASS/FAIL line per check and the
-# timings (NCCL init, steps, the re-formation pause). Whole run under 5 minutes.
+# every worker kept on its GPU, that a --prewarm waiting interpreter makes no CUDA
+# context, and prints one PASS/FAIL line per check and the timings (NCCL init,
+# steps, the re-formation pause). Whole run under 5 minutes.
 #
 #   bash scripts/gpu_check.sh            # needs .venv with a CUDA build of torch
 #   bash scripts/gpu_check.sh --python python3   # an image's own CUDA torch instead;

@@ -25,11 +25,13 @@ def test_the_check_passes_end_to_end_on_gloo(tmp_path):
         capture_output=True, text=True, timeout=150, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
-    assert len(verdicts) == 13 and all(line.startswith("PASS") for line in verdicts)
-    assert done.stdout.splitlines()[-1] == "gpu_check: 13 of 13 checks passed"
+    assert len(verdicts) == 14 and all(line.startswith("PASS") for line in verdicts)
+    assert done.stdout.splitlines()[-1] == "gpu_check: 14 of 14 checks passed"
     sent = next(line for line in verdicts if "state sent to ranks behind" in line)
     received = int(sent.split("received ")[1].split(" bytes")[0])
     assert "1 rank(s)" in sent and received > 100_000  # the 256x256 MLP: 264 kB
+    warm = next(line for line in verdicts if "waiting interpreter (--prewarm)" in line)
+    assert "torch._dynamo imported" in warm and "not initialised" in warm
 
 
 def test_the_shell_script_says_no_gpu_and_exits_2():
@@ -54,7 +56,7 @@ def test_the_shell_script_runs_another_interpreter_and_names_a_missing_one():
                            sys.executable, "--cpu"], capture_output=True, text=True,
                           timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.splitlines()[-1] == "gpu_check: 13 of 13 checks passed"
+    assert done.stdout.splitlines()[-1] == "gpu_check: 14 of 14 checks passed"
     missing = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--python",
                               "no-such-python3"], capture_output=True, text=True, timeout=60,
                              cwd=ROOT)

@@ -192,3 +192,19 @@ def test_the_communicator_abort_is_only_checked_on_nccl():
                    backend="gloo")
     check = next(c for c in gc.evaluate(records, gloo, 0, 30.0) if c.name == "communicator abort")
     assert check.ok and "not applicable" in check.detail
+
+
+@pytest.mark.parametrize("answer, ok, says", [
+    ({"dynamo": True, "cuda_initialized": False, "holds_gpu": False}, True,
+     "nvidia-smi lists no context of it"),
+    ({"dynamo": True, "cuda_initialized": False, "holds_gpu": None}, True, "nvidia-smi not found"),
+    ({"dynamo": False, "cuda_initialized": False, "holds_gpu": False}, False, "not imported ahead"),
+    ({"dynamo": True, "cuda_initialized": True, "holds_gpu": False}, False, "CUDA context"),
+    ({"dynamo": True, "cuda_initialized": False, "holds_gpu": True}, False, "CUDA context"),
+    (None, False, "gave no answer"),
+])
+def test_the_waiting_interpreter_must_import_ahead_and_hold_no_gpu(answer, ok, says):
+    check = gc.prewarm_check(answer)
+    assert (check.name, check.ok) == ("waiting interpreter (--prewarm)", ok)
+    assert says in check.detail
+
