@@ -335,30 +335,33 @@ PREWARM_CHECK = "waiting interpreter (--prewarm)"
 def probe_warm_interpreter(workdir: Path, env: dict[str, str],
                            timeout_s: float = 120.0) -> dict | None:
     """Start a waiting interpreter as the agent does and hand it the probe; its answer,
-    or None when it gave none in time."""
+    or {"error": why} (its last line of stderr, or the timeout): a GPU machine is lent
+    for minutes, so a failed probe must say why in the report."""
     from elastic_runner.contract import PREWARM_MODULE, PYTHON_ENTRY
 
     probe = workdir / "prewarm_probe.py"
     probe.write_text(PREWARM_PROBE)
     waiting = subprocess.Popen([*PYTHON_ENTRY, "-m", PREWARM_MODULE], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     order = json.dumps({"argv": [str(probe)], "env": env}) + "\n"
     try:
-        out, _ = waiting.communicate(order.encode(), timeout=timeout_s)
+        out, err = waiting.communicate(order.encode(), timeout=timeout_s)
     except subprocess.TimeoutExpired:
         waiting.kill()
         waiting.wait()
-        return None
+        return {"error": f"no answer within {timeout_s:g} s"}
     lines = out.decode(errors="replace").strip().splitlines()
     try:
-        return json.loads(lines[-1]) if lines else None
-    except ValueError:
-        return None
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        said = err.decode(errors="replace").strip().splitlines()
+        return {"error": f"exit {waiting.returncode}: " + (said[-1] if said else "no output")}
 
 
-def prewarm_check(answer: dict | None) -> Check:
-    if answer is None:
-        return Check(PREWARM_CHECK, False, "the waiting interpreter gave no answer")
+def prewarm_check(answer: dict) -> Check:
+    if "error" in answer:
+        return Check(PREWARM_CHECK, False, f"the waiting interpreter gave no answer "
+                                           f"({answer['error']})")
     if not answer.get("dynamo"):
         return Check(PREWARM_CHECK, False, "torch._dynamo was not imported ahead")
     if answer.get("cuda_initialized") or answer.get("holds_gpu"):

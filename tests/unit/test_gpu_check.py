@@ -201,7 +201,8 @@ def test_the_communicator_abort_is_only_checked_on_nccl():
     ({"dynamo": False, "cuda_initialized": False, "holds_gpu": False}, False, "not imported ahead"),
     ({"dynamo": True, "cuda_initialized": True, "holds_gpu": False}, False, "CUDA context"),
     ({"dynamo": True, "cuda_initialized": False, "holds_gpu": True}, False, "CUDA context"),
-    (None, False, "gave no answer"),
+    ({"error": "exit 1: ModuleNotFoundError: No module named 'torch'"}, False,
+     "gave no answer (exit 1: ModuleNotFoundError"),
 ])
 def test_the_waiting_interpreter_must_import_ahead_and_hold_no_gpu(answer, ok, says):
     check = gc.prewarm_check(answer)
