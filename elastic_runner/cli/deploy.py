@@ -35,8 +35,8 @@ from typing import Any
 import yaml
 
 from elastic_runner.cli.flags import (
-    RUN_FLAGS, build_parser, default_run_id, parse_label, parse_nodes, parse_nproc,
-    parse_rank0_prefer)
+    RUN_FLAGS, build_parser, default_run_id, parse_checked, parse_label, parse_nodes,
+    parse_nproc, parse_rank0_prefer)
 from elastic_runner.cli.deploy_quoting import (
     PARTITION, TIME, check_dns_label, check_grammar, check_id, check_text, kube_literal,
     printable, shell_join, shell_quote)
@@ -230,7 +230,7 @@ def parse_spec(argv: list[str]) -> tuple[DeploySpec, argparse.Namespace]:
     kind, rest = argv[0], argv[1:]
     check_text(rest)
     parser = deploy_parser(kind)
-    args = parser.parse_args(rest)
+    args = parse_checked(parser, rest)
     try:
         min_nodes, max_nodes = parse_nodes(args)
         check_args(kind, args, min_nodes)
@@ -243,8 +243,19 @@ def parse_spec(argv: list[str]) -> tuple[DeploySpec, argparse.Namespace]:
         max_nodes if args.replicas is None else args.replicas, min_nodes, max_nodes, run_id,
         endpoints, grace_period(args.notice_deadline, args.stop_grace, args.etcd_timeout),
         tuple(passthrough_flags(args)),
-        (*(("--module",) if args.module else ()), args.entrypoint, *args.args))
+        script_command(args))
     return spec, args
+
+
+def script_command(args: argparse.Namespace) -> tuple[str, ...]:
+    """The entrypoint and its arguments as the agent's command line must spell them.
+
+    argparse drops the first '--' after the entrypoint (`train.py -- --lr 1` gives the
+    script `--lr 1`), so a script argument list that itself starts with '--' (the user
+    typed `train.py -- -- x`) needs that '--' written twice to reach the script.
+    """
+    escape = ("--",) if args.args[:1] == ["--"] else ()
+    return (*(("--module",) if args.module else ()), args.entrypoint, *escape, *args.args)
 
 
 # ---- kubernetes ---------------------------------------------------------------------

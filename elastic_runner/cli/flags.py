@@ -27,6 +27,7 @@ from elastic_runner.errors import ConfigError, EXIT_CODES
 from elastic_runner.validation import check_number, parse_bool, sanitize_id
 
 ENV_PREFIX = "ELASTIC_RUN_"
+SWALLOWED_VALUE = re.compile(r"(--[^=]+)=--|(-[^-])--")  # --flag=-- or -f--
 PASSWORD_ENV = ENV_PREFIX + "ETCD_PASSWORD"
 
 
@@ -220,8 +221,28 @@ def parse_args(argv: list[str], environ: Mapping[str, str]) -> argparse.Namespac
     """Flags from argv, else from ELASTIC_RUN_* variables, else defaults."""
     parser = build_parser()
     apply_env_defaults(parser, environ)
-    args = parser.parse_args(argv)
+    args = parse_checked(parser, argv)
     resolve_node_flags(args, node_flags_on_command_line(argv))
+    return args
+
+
+def parse_checked(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`parser.parse_args`, refusing a flag whose value argparse would swallow.
+
+    Python 3.11's argparse (`ArgumentParser._get_values`) removes '--' from an option's
+    strings before converting them, so `--log-dir=--` parses to [] and the flag's type
+    never runs: the run would log into a folder named '[]'. Every verb parses through
+    here, so no value of that shape gets past the command line.
+    """
+    args = parser.parse_args(argv)
+    script = getattr(args, "args", None) or []  # the script's own words (a suffix of argv)
+    ours = argv[:len(argv) - len(script)]
+    ours = ours[:ours.index("--")] if "--" in ours else ours  # after it: positionals
+    for token in ours:
+        swallowed = SWALLOWED_VALUE.fullmatch(token)
+        if swallowed:
+            raise ConfigError(f"{swallowed.group(1) or swallowed.group(2)} got '--', which "
+                              "argparse takes for 'end of flags', not a value: give it a real value")
     return args
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from elastic_runner.cli.flags import ETCD_TIMEOUT, add_flags, parse_endpoints
+from elastic_runner.cli.flags import ETCD_TIMEOUT, add_flags, parse_checked, parse_endpoints
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import ConfigError, RendezvousError
 from elastic_runner.rendezvous import protocol as p
@@ -44,7 +44,7 @@ def send_notice(client, run_id: str, node_id: str) -> int:
 def main(argv: list[str], environ: dict[str, str]) -> int:
     from elastic_runner.agent.launch import connect
 
-    args = build_parser().parse_args(argv)
+    args = parse_checked(build_parser(), argv)
     check_id(args.run_id, "--run-id")
     check_id(args.node_id, "--node-id")
     check_number("etcd_timeout", args.etcd_timeout)

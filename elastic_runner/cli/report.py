@@ -26,6 +26,7 @@ import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastic_runner.cli.flags import parse_checked
 from elastic_runner.errors import ConfigError
 from elastic_runner.events import EVENTS_FILE, read_events
 
@@ -204,7 +205,7 @@ def main(argv: list[str], environ: dict[str, str]) -> int:
     parser.add_argument("logdir", help="the agents' --log-dir (or its events.jsonl)")
     parser.add_argument("-o", "--output", default="timeline.png", help="PNG to write")
     parser.add_argument("--html", help="also write a self-contained HTML page here")
-    args = parser.parse_args(argv)
+    args = parse_checked(parser, argv)
     events = read_events(events_path(args.logdir))
     if not events:
         raise ConfigError(f"{args.logdir}: the events file is empty; nothing to plot")

@@ -26,8 +26,8 @@ import queue
 import time
 
 from elastic_runner.cli.flags import (
-    ETCD_ACCESS, ETCD_TIMEOUT, add_flags, apply_env_defaults, flag, parse_endpoints,
-    read_password,
+    ETCD_ACCESS, ETCD_TIMEOUT, add_flags, apply_env_defaults, flag, parse_checked,
+    parse_endpoints, read_password,
 )
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import ConfigError, RendezvousError
@@ -330,7 +330,7 @@ def main(argv: list[str], environ: dict[str, str]) -> int:
 
     parser = build_parser()
     apply_env_defaults(parser, environ, STATUS_FLAGS)
-    args = parser.parse_args(argv)
+    args = parse_checked(parser, argv)
     client = connect(etcd_config(args, environ))
     console = Console(soft_wrap=args.json, highlight=not args.json)
     try:

@@ -206,6 +206,8 @@ CASES = [
                  2, ["not importable", "no_such_module_xyz"], id="missing-module"),
     pytest.param(no_setup, lambda c: ["--rdzv-endpoints", "http://:abc", c.script],
                  2, ["malformed etcd endpoint"], id="malformed-endpoint"),
+    pytest.param(no_setup, lambda c: ["--log-dir=--", c.script],
+                 2, ["--log-dir got '--'"], id="flag-value-dashes"),
     pytest.param(dead_port, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
                                        "--etcd-timeout", "1", c.script],
                  4, ["{endpoint}"], id="etcd-unreachable"),

@@ -186,11 +186,37 @@ def test_explicit_run_id_used(script):
     (["--nproc-per-node", "2", "train.py", "--max-restarts", "5", "-m", "x", "-v"],
      "train.py", ["--max-restarts", "5", "-m", "x", "-v"]),
     (["-m", "pkg.mod", "--epochs", "3"], "pkg.mod", ["--epochs", "3"]),
+    # argparse drops the first '--' after the script (deploy's renderer relies on it)
+    (["train.py", "--", "--lr", "1"], "train.py", ["--lr", "1"]),
+    (["train.py", "--", "--", "x"], "train.py", ["--", "x"]),
+    (["train.py", "a", "--", "b"], "train.py", ["a", "--", "b"]),
 ])
 def test_script_args_pass_through(argv, entrypoint, args):
     parsed = parse(argv)
     assert parsed.entrypoint == entrypoint
     assert parsed.args == args
+
+
+@pytest.mark.parametrize("argv", [
+    ["--log-dir=--", "train.py"],
+    ["--run-id=--", "train.py"],
+    ["--node-label=--", "train.py"],
+    ["--node-label", "zone=a", "--node-label=--", "train.py"],
+    ["--notice-file=--", "train.py"],
+    ["-m", "--log-dir=--", "pkg.mod"],
+])
+def test_a_flag_value_argparse_swallows_is_refused(argv):
+    """Python 3.11's argparse turns `--flag=--` into [] without calling the flag's type."""
+    with pytest.raises(ConfigError) as info:
+        parse(argv)
+    assert str(info.value).startswith(next(a for a in argv if a.endswith("=--"))[:-3] + " got '--'")
+    assert "\n" not in str(info.value) and info.value.exit_code == 2
+
+
+def test_a_script_argument_that_looks_like_that_is_the_scripts():
+    assert parse(["train.py", "--log-dir=--"]).args == ["--log-dir=--"]
+    assert parse(["train.py", "--", "--log-dir=--"]).args == ["--log-dir=--"]
+    assert parse(["--", "train.py", "--log-dir=--"]).args == ["--log-dir=--"]
 
 
 def test_script_flags_after_script_do_not_change_launcher(script):

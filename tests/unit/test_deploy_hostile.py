@@ -357,28 +357,72 @@ def test_sbatch_entrypoint_and_run_id(value, capsys, tmp_path, slurm_stubs):
     assert (agent.entrypoint, agent.args, agent.run_id) == (script, [value], "nightly")
 
 
+def usable_log_dir(value: str) -> str:
+    """`--log-dir=--` is refused (test_a_swallowed_flag_value_is_refused); any other text is used."""
+    return "logs" if value == "--" else value
+
+
+def launcher_script_args(*words: str) -> list[str]:
+    """What `elastic-run train.py WORDS...` hands the script (argparse drops a first '--')."""
+    return flags.build_parser().parse_args(["train.py", *words]).args
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=12))
 def test_sbatch_round_trips_any_text(tmp_path_factory, value):
     tmp_path = tmp_path_factory.mktemp("sbatch")
     bin_dir = make_stubs(tmp_path / "stubs")
     spec, _ = deploy.parse_spec(["slurm", "--dryrun", "--rdzv-endpoints=http://e:2379",
-                                 f"--log-dir={value}", "train.py", value])
+                                 f"--log-dir={usable_log_dir(value)}", "train.py", value, value])
     agent = flags.build_parser().parse_args(run_sbatch(deploy.slurm_script(spec), tmp_path, bin_dir))
-    assert (agent.log_dir, agent.args) == (value, [value])
+    assert (agent.log_dir, agent.args) == (usable_log_dir(value), launcher_script_args(value, value))
 
 
 @settings(deadline=None)  # machine load, not the code, sets its time
 @given(st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",))))
 def test_kubernetes_round_trips_any_text(value):
-    spec, _ = deploy.parse_spec(["kubernetes", "--dryrun", f"--image={value}", f"--log-dir={value}",
-                                 "train.py", value])
+    spec, _ = deploy.parse_spec(["kubernetes", "--dryrun", f"--image={value}",
+                                 f"--log-dir={usable_log_dir(value)}", "train.py", value, value])
     docs = k8s_documents(deploy.kubernetes_stream(spec))
     assert len(docs) == 5
     pod = docs[-1]["spec"]["template"]["spec"]["containers"][0]
     agent = flags.build_parser().parse_args([kube_expand(a, K8S_ENV) for a in pod["args"]])
     assert (pod["image"] or "elastic-runner:cpu", agent.log_dir, agent.args) == \
-        (value or "elastic-runner:cpu", value, [value])
+        (value or "elastic-runner:cpu", usable_log_dir(value), launcher_script_args(value, value))
+
+
+@pytest.mark.parametrize("words", [["--"], ["--", "x"], ["--", "--"], ["--", "--", "x"],
+                                   ["a", "--", "b"], ["--", "--lr", "1"]])
+@pytest.mark.parametrize("kind", ["slurm", "kubernetes"])
+def test_a_double_dash_reaches_the_script_as_the_launcher_would_pass_it(kind, words, tmp_path,
+                                                                        slurm_stubs):
+    """deploy renders `train.py -- -- x` so that the agent's argparse leaves the script
+    `-- x`, as `elastic-run train.py -- -- x` would; before, it got `x`."""
+    spec, _ = deploy.parse_spec([kind, "--dryrun", "--rdzv-endpoints=http://e:2379", "train.py",
+                                 *words])
+    if kind == "slurm":
+        argv = run_sbatch(deploy.slurm_script(spec), tmp_path, slurm_stubs)
+    else:
+        pod = k8s_documents(deploy.kubernetes_stream(spec))[-1]["spec"]["template"]["spec"]
+        argv = [kube_expand(a, K8S_ENV) for a in pod["containers"][0]["args"]]
+    assert flags.build_parser().parse_args(argv).args == launcher_script_args(*words)
+
+
+@pytest.mark.parametrize("verb_argv, flag", [
+    (["deploy", "slurm", "--dryrun", "--rdzv-endpoints=http://e:2379", "--log-dir=--", "train.py"],
+     "--log-dir"),
+    (["deploy", "kubernetes", "--dryrun", "--name=--", "train.py"], "--name"),
+    (["status", "--run-id=--"], "--run-id"),
+    (["notice", "--rdzv-endpoints=http://e:2379", "--run-id=r", "--node-id=--"], "--node-id"),
+    (["report", "logs", "--output=--"], "--output"),
+    (["report", "logs", "-o--"], "-o"),
+])
+def test_a_swallowed_flag_value_is_refused_by_every_verb(verb_argv, flag, capsys):
+    """Python 3.11's argparse parses `--flag=--` to [] without calling the flag's type."""
+    assert cli.main(verb_argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert f"error: {flag} got '--'" in err
 
 
 # ---- quoting primitives ---------------------------------------------------------------------
