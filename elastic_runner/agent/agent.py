@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from elastic_runner.agent.prewarm import WarmPool
 from elastic_runner.agent.reform_driver import (
     InProcessReform, ReformBounds, ReformContext, round_fields,
 )
+from elastic_runner.agent.scratch import create_scratch, remove_orphans
 from elastic_runner.agent.signal_relay import SignalRelay
 from elastic_runner.agent.standby import WarmStart
 from elastic_runner.config import AgentConfig, EtcdConfig
@@ -79,8 +79,8 @@ class Agent:
         self._rdzv_config = config.rendezvous
         self.rendezvous = rendezvous
         self._start_workers = start_workers
-        # Private to this agent (mkdtemp: mode 0700): the worker contract's files.
-        self._scratch = Path(tempfile.mkdtemp(prefix="elastic-run-agent-"))
+        # Private to this agent (mode 0700): the worker contract's files.
+        self._scratch = create_scratch()
         self._notice_path = self._scratch / contract.NOTICE_FILE
         # Workers' er.report() progress, one small file per rank, read by metrics.
         self.progress_dir = self._scratch / contract.PROGRESS_DIR
@@ -128,6 +128,7 @@ class Agent:
         rendezvous = EtcdRendezvous(client, rdzv, spec, config.max_restarts)
         watcher = (CloudNoticeWatcher(config.cloud_notice, on_notice=rendezvous.wake)
                    if config.cloud_notice is not None else None)
+        remove_orphans()  # scratch folders of agents on this machine that were killed
         return cls(config, rendezvous, etcd, base_env, WorkerGroup.start, watcher)
 
     # ---- signals ----------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -74,11 +75,18 @@ def _plan_line(job, node: str, round_id: str) -> str:
 
 def test_below_min_nodes_survivors_wait_then_continue(job):
     """Below --min-nodes the survivor neither trains alone nor gives up: the round it
-    joins after the loss stays open (observed in etcd) and closes only with c."""
+    joins after the loss stays open (observed in etcd) and closes only with c.
+
+    The machine's temp folder: b's agent, SIGKILLed, cannot remove its scratch folder
+    (it holds the etcd password file when there is one); c, started on the same
+    machine, removes it, and leaves a's, whose agent lives."""
     job.min_nodes = 2
+    job.env["TMPDIR"] = str(job.workdir / "machine-tmp")
+    (job.workdir / "machine-tmp").mkdir()
     job.start("a", "b")
     formed = int(job.wait_world(4)[0]["ELASTIC_RUN_ROUND"])
     job.kill("b")
+    assert scratch_owners(job) == {job.agents["a"].pid, job.agents["b"].pid}
     waiting = f"rounds/{formed + 1}/"
     job.wait_for(lambda: (job.node_keys() == {"a"} and
                           job.etcd_get(waiting + "join/a") is not None) or None,
@@ -92,6 +100,13 @@ def test_below_min_nodes_survivors_wait_then_continue(job):
     # The round a waited in is the one c closed: a never trained alone.
     assert {r["ELASTIC_RUN_ROUND"] for r in rows} == {str(formed + 1)}
     assert {r["WORLD_SIZE"] for r in job.steps()} == {"4"}
+    assert scratch_owners(job) == {job.agents["a"].pid, job.agents["c"].pid}
+
+
+def scratch_owners(job) -> set[int]:
+    """The agents whose scratch folders are in the job's temp folder (agent/scratch.py)."""
+    found = (job.workdir / "machine-tmp").glob("elastic-run-agent-*/owner.json")
+    return {json.loads(path.read_text())["pid"] for path in found}
 
 
 def test_five_agents_started_together_agree_on_one_plan(job):
