@@ -50,11 +50,11 @@ def test_the_shell_script_says_no_gpu_and_exits_2():
     assert len(done.stderr.strip().splitlines()) == 1
 
 
-def test_the_shell_script_runs_another_interpreter_and_names_a_missing_one():
+def test_the_shell_script_runs_another_interpreter_and_names_a_missing_one(tmp_path):
     """--python: a GPU image's own CUDA torch, without a .venv of ours."""
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--python",
-                           sys.executable, "--cpu"], capture_output=True, text=True,
-                          timeout=240, cwd=ROOT)
+                           sys.executable, "--cpu", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[-1] == "gpu_check: 14 of 14 checks passed"
     missing = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--python",
