@@ -10,4 +10,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/debian_etcd.sh  # etcd 3.4 beside the wheel's 3.5, where apt can fetch it
 exec .venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"

