@@ -58,21 +58,28 @@ def stop_process(process: subprocess.Popen | None, timeout_s: float = 5.0) -> No
         process.wait(timeout=10)
 
 
+def stat_fields(pid: int | str) -> list[bytes] | None:
+    """/proc/PID/stat from field 3 (state) on: index 0 is the state, 1 the ppid, 19
+    the start time; None once the process is gone. The command name (field 2) may
+    hold spaces and ')', so the fields are counted from its last ')'."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            stat = stat_file.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2:].split()
+
+
 def process_tree(root: int) -> list[int]:
     """`root` and its live descendants, parents first, as /proc shows them now."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat_file:
-                stat = stat_file.read()
-        except OSError:  # gone meanwhile
+        fields = stat_fields(entry)
+        if fields is None:  # gone meanwhile
             continue
-        # The command name (field 2) may hold spaces and ')': ppid is the second
-        # field after its closing parenthesis.
-        parent = int(stat[stat.rindex(b")") + 2:].split()[1])
-        children.setdefault(parent, []).append(int(entry))
+        children.setdefault(int(fields[1]), []).append(int(entry))
     tree, index = [root], 0
     while index < len(tree):
         tree.extend(children.get(tree[index], ()))

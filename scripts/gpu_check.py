@@ -333,7 +333,7 @@ PREWARM_CHECK = "waiting interpreter (--prewarm)"
 
 
 def probe_warm_interpreter(workdir: Path, env: dict[str, str],
-                           timeout_s: float = 120.0) -> dict | None:
+                           timeout_s: float = 120.0) -> dict:
     """Start a waiting interpreter as the agent does and hand it the probe; its answer,
     or {"error": why} (its last line of stderr, or the timeout): a GPU machine is lent
     for minutes, so a failed probe must say why in the report."""

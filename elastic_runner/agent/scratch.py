@@ -23,6 +23,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from elastic_runner._process import stat_fields
+
 log = logging.getLogger(__name__)
 
 PREFIX = "elastic-run-agent-"
@@ -54,15 +56,9 @@ def remove_orphans(parent: Path | None = None) -> list[Path]:
 
 def owner_of(pid: int) -> dict | None:
     """What identifies process `pid` across pid reuse; None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    # Fields 3 (state) and 22 (starttime) count from the field after the command
-    # name, which may hold spaces and ')': field 3 is the first after its ')'.
-    fields = stat[stat.rindex(b")") + 2:].split()
-    if fields[0] in (b"Z", b"X"):
-        return None  # dead, not yet reaped by its parent
+    fields = stat_fields(pid)
+    if fields is None or fields[0] in (b"Z", b"X"):
+        return None  # gone, or dead and not yet reaped by its parent
     return {"pid": pid, "start": int(fields[19]), "pidns": _pid_namespace(), "boot": _boot_id()}
 
 

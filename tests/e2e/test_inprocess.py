@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner._process import process_tree
+from elastic_runner._process import process_tree, stat_fields
 from tests.e2e.harness import Job, read_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -210,11 +210,10 @@ def _longer(script_args: tuple[str, ...], samples: int) -> tuple[str, ...]:
 
 
 def _parent(pid: int) -> int:
-    """A worker's agent: its parent process (field 4 of /proc/PID/stat)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat.rsplit(")", 1)[1].split()[1])
+    """A worker's agent: its parent process."""
+    return int(stat_fields(pid)[1])
 
 
 def _state(pid: int) -> str:
-    """A process's state letter (field 3 of /proc/PID/stat): T when stopped."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    """A process's state letter: T when stopped."""
+    return stat_fields(pid)[0].decode()

@@ -3,13 +3,13 @@ rendezvous bench's --etcd-members use them."""
 
 from __future__ import annotations
 
-import os
 import re
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from elastic_runner._process import stat_fields
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import EtcdUnavailable
 from elastic_runner.etcd.client import EtcdClient
@@ -18,12 +18,8 @@ from tests.conftest import available_etcd_binaries
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as handle:  # a zombie has exited too
-        return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != b"Z"  # a zombie has exited too
 
 
 @pytest.mark.parametrize("binary", available_etcd_binaries(),
