@@ -20,6 +20,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from etcd_profile import WindowProfiler
+
 
 # etcd 3.4/3.5 count each event as its watch stream sends it to the watcher (v3rpc
 # watch.go: mvcc.ReportEventReceived before gRPCStream.Send), once per watcher: one put
@@ -254,9 +256,10 @@ class Meter:
     with several etcd members, each member's CPU as well as their sum."""
 
     def __init__(self, etcd_endpoints, agent_pids: list[int], etcd_pids: list[int],
-                 proxy_pid: int | None = None):
+                 proxy_pid: int | None = None, profilers: list | None = None):
         self.etcd_endpoints, self.agent_pids = tuple(etcd_endpoints), agent_pids
         self.etcd_pids, self.proxy_pid = list(etcd_pids), proxy_pid
+        self.profilers = profilers or []  # etcd_profile.WindowProfiler per member
 
     def read(self) -> tuple:
         """(time, requests, agents' CPU, etcd's CPU, watch events, proxy CPU or None,
@@ -320,6 +323,30 @@ def stored_sizes(endpoint: str, run_id: str, number: int) -> tuple[int | None, i
         client.close()
     return (len(plan.value) if plan is not None else None,
             len(round_kv.value) if round_kv is not None else None)
+
+
+@contextlib.contextmanager
+def etcd_for_run(members: int, pprof: bool):
+    """One embedded member, or a cluster. A cluster gets etcd's default heartbeat
+    (100 ms) and election timeout (1 s): the tests' 10 / 100 ms would let members
+    starved by a thousand agents on two cores call elections mid-round."""
+    from elastic_runner.etcd.server import EmbeddedEtcd, EmbeddedEtcdCluster
+    profiling = ("--enable-pprof",) if pprof else ()
+    if members == 1:
+        with EmbeddedEtcd(extra_args=profiling) as etcd:
+            yield [etcd]
+        return
+    with EmbeddedEtcdCluster(members, extra_args=(
+            "--heartbeat-interval", "100", "--election-timeout", "1000", *profiling)) as cluster:
+        yield cluster.members
+
+
+@contextlib.contextmanager
+def profiled(members, folder: Path | None):
+    """Each member's back-to-back CPU profiles while the sizes run (--etcd-profile)."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(WindowProfiler(member.endpoint, folder / member.name))
+               for member in members] if folder else []
 
 
 @contextlib.contextmanager

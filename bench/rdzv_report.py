@@ -93,6 +93,20 @@ def idle_line(sizes: list[int], er_res: dict) -> str:
     return ("\n" + "\n".join(parts)) if parts else ""
 
 
+def profile_line(sizes: list[int], er_res: dict) -> str:
+    """Each phase's etcd CPU by category, from etcd's own profiles (--etcd-profile)."""
+    parts = []
+    for n in sizes:
+        for name in ("start", "leave", "join"):
+            profile = er_res[n].get(f"{name}_etcd_profile")
+            if profile and profile["shares"]:
+                split = ", ".join(f"{category} {100 * share:.0f} %"
+                                  for category, share in profile["shares"].items())
+                parts.append(f"N={n} {name}: {split} "
+                             f"({profile['sampled_cpu_s']:.2f} s sampled)")
+    return ("\netcd CPU by category (Go profiles):\n" + "\n".join(parts)) if parts else ""
+
+
 def report(args, sizes, er_res, tr_res, info, started) -> str:
     spread = (f"in up to {args.processes} processes (one per agent at most)" if args.processes
               else "in one process")
@@ -118,6 +132,7 @@ def report(args, sizes, er_res, tr_res, info, started) -> str:
                        "torch state reads+writes per agent", "ratio er/torch"],
                       table_rows(sizes, er_res, tr_res))
             + growth_line(sizes, er_res, tr_res) + idle_line(sizes, er_res)
+            + profile_line(sizes, er_res)
             + "\nelastic-run's times are bounded by this machine: all N simulated agents share "
             f"{info['cores']} cores, so a round takes about N x (CPU per agent) / cores; an "
             "agent on its own machine spends the CPU per agent shown."

@@ -50,6 +50,12 @@ backend get_state/set_state calls (each one reads or writes the whole state).
         --out bench/latest/rendezvous_scale-proxy.json
     .venv/bin/python bench/rendezvous_scale.py --no-torch --etcd-members 3 \
         --out bench/latest/rendezvous_scale-3members.json
+    .venv/bin/python bench/rendezvous_scale.py --sizes 1024 --no-torch \
+        --etcd-profile profiles --out rs-profile.json   # etcd's CPU by category
+
+With --etcd-profile DIR, etcd runs with --enable-pprof and bench/etcd_profile.py keeps
+back-to-back 1 s CPU profiles of every member in DIR; each phase then reports the
+share of etcd's CPU in storage/raft/WAL, the request layer, gRPC, Go's GC and scheduler.
 
 Without --out the results go to bench/results/ and bench/latest/rendezvous_scale.json;
 with it, only to that file (trial runs leave the published figures alone).
@@ -57,7 +63,6 @@ with it, only to that file (trial runs leave the published figures alone).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import threading
@@ -67,10 +72,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c  # noqa: E402
+from etcd_profile import phase_shares  # noqa: E402
 from rdzv_report import report  # noqa: E402
 from rdzv_agents import (  # noqa: E402
-    Meter, ProcessGroupAgents, SimAgent, delta, last_registration, machine_load, new_client,
-    proxy_in_front, stored_sizes, wait_agreed,
+    Meter, ProcessGroupAgents, SimAgent, delta, etcd_for_run, last_registration, machine_load,
+    new_client, profiled, proxy_in_front, stored_sizes, wait_agreed,
 )
 
 os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no per-round MASTER_ADDR servers
@@ -99,6 +105,8 @@ def phase(res: dict, name: str, meter: Meter, before, got, after_round: int, n: 
     """One phase's counts, taken before the plan is read so that read is not counted."""
     rounds = got[1] - after_round if got else 0
     res.update(meter.phase(name, before, meter.read(), n, rounds))
+    if meter.profilers and got:
+        res[f"{name}_etcd_profile"] = phase_shares(meter.profilers, before[0], got[0])
     res[f"{name}_s"] = got[0] - before[0] if got else None
     key = "plan_bytes" if name == "start" else f"{name}_plan_bytes"
     res[key], res[f"{name}_round_key_bytes"] = (stored_sizes(endpoint, run_id, got[1]) if got
@@ -113,7 +121,8 @@ def elastic_size(endpoint: str, n: int, churn: bool, args) -> dict:
     agents = [SimAgent(agents_at[i % len(agents_at)], run_id, f"s{i:04d}", n, args.settle,
                        args.lease_ttl) for i in range(n)]
     res = {"n": n, "clients_connect_s": time.time() - t_build}
-    meter = Meter(args.etcd_endpoints, [os.getpid()], args.etcd_pids, args.proxy_pid)
+    meter = Meter(args.etcd_endpoints, [os.getpid()], args.etcd_pids, args.proxy_pid,
+                  args.etcd_profilers)
     m0 = meter.read()
     go = time.time() + 0.5
     for a in agents:
@@ -172,7 +181,7 @@ def elastic_size_processes(endpoint: str, n: int, churn: bool, args) -> dict:
     agents_at = agent_endpoints(args)  # the agents' ways to etcd; counted at etcd
     group = ProcessGroupAgents(agents_at, run_id, n, processes, args, True)
     meter = Meter(args.etcd_endpoints, [child.pid for child in group.children],
-                  args.etcd_pids, args.proxy_pid)
+                  args.etcd_pids, args.proxy_pid, args.etcd_profilers)
     try:
         spawned = meter.read()
         res["start_ready_before_go"] = group.wait_ready()
@@ -373,6 +382,9 @@ def parse_args():
     ap.add_argument("--disk-hog", action="store_true",
                     help="one more process rewrites 64 MB with fsync in a loop (etcd fsyncs "
                          "its log on every write)")
+    ap.add_argument("--etcd-profile", type=Path, default=None, metavar="DIR",
+                    help="run etcd with --enable-pprof, keep its 1 s CPU profiles in DIR and "
+                         "report each phase's etcd CPU by category (bench/etcd_profile.py)")
     ap.add_argument("--out", type=Path, default=None,
                     help="write the JSON here only, not to bench/results and bench/latest")
     args = ap.parse_args()
@@ -381,21 +393,6 @@ def parse_args():
     if args.cpu_hogs < 0:
         ap.error(f"--cpu-hogs {args.cpu_hogs}: give 0 or more")
     return args
-
-
-@contextlib.contextmanager
-def etcd_for_run(members: int):
-    """One embedded member, or a cluster. A cluster gets etcd's default heartbeat
-    (100 ms) and election timeout (1 s): the tests' 10 / 100 ms would let members
-    starved by a thousand agents on two cores call elections mid-round."""
-    from elastic_runner.etcd.server import EmbeddedEtcd, EmbeddedEtcdCluster
-    if members == 1:
-        with EmbeddedEtcd() as etcd:
-            yield [etcd]
-        return
-    with EmbeddedEtcdCluster(members, extra_args=(
-            "--heartbeat-interval", "100", "--election-timeout", "1000")) as cluster:
-        yield cluster.members
 
 
 def leader_index(endpoints: tuple[str, ...]) -> int | None:
@@ -418,9 +415,11 @@ def run_sizes(args, sizes: list[int]) -> tuple[dict, dict, list]:
 
 def elastic_sizes(args, sizes: list[int]) -> dict:
     er_res = {}
-    with etcd_for_run(args.etcd_members) as members, \
+    with etcd_for_run(args.etcd_members, bool(args.etcd_profile)) as members, \
+            profiled(members, args.etcd_profile) as profilers, \
             proxy_in_front(tuple(member.endpoint for member in members), args.grpc_proxy) \
             as proxy:
+        args.etcd_profilers = profilers
         args.etcd_pids = [member.process.pid for member in members]
         args.etcd_endpoints = tuple(member.endpoint for member in members)
         etcd = members[0]
@@ -465,7 +464,10 @@ def main() -> None:
     er_res, tr_res, servers = run_sizes(args, sizes)  # servers: torch's stores, kept to the end
     text = report(args, sizes, er_res, tr_res, info, started)
     print("\n" + text)
-    payload = {"args": vars(args), "env": info, "elastic_run": er_res, "torch": tr_res}
+    kept_args = {key: value for key, value in vars(args).items() if key != "etcd_profilers"}
+    if args.etcd_profile:  # a scratch folder: its name only, as for --out below
+        kept_args["etcd_profile"] = args.etcd_profile.name
+    payload = {"args": kept_args, "env": info, "elastic_run": er_res, "torch": tr_res}
     if args.out:
         out = args.out.resolve()
         # Outside the repository only its name: a trial file may be copied into latest/.
