@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import socket
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 __all__ = ["GroupSockets", "abort_nccl_communicators", "capturing_new_groups",
            "capturing_sockets", "group_sockets", "leave_process_group", "survive_nccl_errors"]
@@ -257,10 +258,16 @@ def capturing_sockets(backend: str) -> contextlib.AbstractContextManager:
 _GROUP_MAKER = "_new_process_group_helper"
 
 
+# before_group(store, group name, members, timeout in s): called by each member of a
+# group about to be made (formation.meet_members).
+BeforeGroup = Callable[[object, str, int, float], None]
+
+
 @contextlib.contextmanager
-def capturing_new_groups() -> Iterator[None]:
+def capturing_new_groups(before_group: BeforeGroup | None = None) -> Iterator[None]:
     """While the training function runs: the connections of every gloo group it
-    makes are kept to cut with the round's own.
+    makes are kept to cut with the round's own, and with `before_group` each member
+    of a group meets the others there first, where a cut round can call it off.
 
     Why: a side group made in train() (a gloo group for all_gather_object beside
     NCCL training, say) holds a rank blocked on a lost member for that group's
@@ -278,8 +285,13 @@ def capturing_new_groups() -> Iterator[None]:
         yield
         return
 
+    parameters = inspect.signature(make)
+
     @functools.wraps(make)
     def make_captured(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs):
+        if before_group is not None and global_ranks_in_group:
+            _meet_first(before_group, parameters.bind(
+                group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs))
         with capturing_sockets(str(backend)):
             return make(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs)
 
@@ -288,3 +300,16 @@ def capturing_new_groups() -> Iterator[None]:
         yield
     finally:
         setattr(c10d, _GROUP_MAKER, make)
+
+
+def _meet_first(before_group: BeforeGroup, call: inspect.BoundArguments) -> None:
+    """`before_group` for a member of the group `call` makes (torch 2.13's helper:
+    store, group_name, timeout); non-members make nothing and meet nobody."""
+    import torch.distributed as dist
+
+    members, store = call.arguments["global_ranks_in_group"], call.arguments.get("store")
+    if store is None or dist.get_rank() not in members:
+        return
+    timeout = call.arguments.get("timeout") or store.timeout
+    before_group(store, str(call.arguments["group_name"]), len(members),
+                 timeout.total_seconds())

@@ -175,7 +175,7 @@ class Reformer:
         while True:
             try:
                 with BrokenRoundWatch(self.channel, lambda: self.context.round, group_sockets), \
-                        capturing_new_groups():
+                        capturing_new_groups(self._meet_members):
                     self.state.sync()
                     result = call()
             except ReformRequested:
@@ -191,6 +191,13 @@ class Reformer:
                 self._detach()
                 return result
             self._reform(reason)
+
+    def _meet_members(self, store, group_name: str, members: int, timeout_s: float) -> None:
+        """A group made in this round forms only once its members met (formation.py),
+        and not at all once the agent cut the round."""
+        round_number = self.context.round
+        formation.meet_members(store, group_name, members, timeout_s,
+                               called_off=lambda: self.channel.broken(round_number))
 
     def _hopeless(self) -> bool:
         """Collectives failed at this step in more than MAX_FAILURES_PER_STEP rounds."""

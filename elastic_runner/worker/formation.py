@@ -129,6 +129,29 @@ def meet(place: Place, timeout_s: float, called_off: Callable[[], bool]) -> Stor
     return PrefixStore("default_pg", store)
 
 
+def meet_members(store: Store, group_name: str, members: int, timeout_s: float,
+                 called_off: Callable[[], bool]) -> None:
+    """Before torch makes group `group_name` of `members` ranks: wait in the round's
+    store, in polled steps, until every member has come. DistError when the round is
+    called off first (its agent cut it: a member is lost), DistStoreError when the
+    members did not all come within `timeout_s`; elastic.py reads either as a failed
+    collective and re-forms.
+
+    Why: gloo's group creation waits in the store for each member's address, in C++,
+    for the group's whole timeout, which no cut reaches (the store's connections are
+    not the group's). A member lost at that moment (the boundary's group is made at
+    a round's first step, State.sync's as a newcomer is brought in) held the others
+    for 12 s though their agents had cut the round at once: the longest stall of two
+    chaos soaks (seeds 61 and 113). Once every member has come, gloo's waits cover
+    only the moment between this meeting and each member posting its address."""
+    from torch.distributed import DistError
+
+    deadline = time.monotonic() + timeout_s
+    key = f"elastic-run/group-{group_name}/arrived"
+    if not _count_in(store, key, members, timeout_s, deadline, called_off):
+        raise DistError(f"the round was cut while group {group_name} formed (a member is lost)")
+
+
 def _connect(place: Place, timeout_s: float, deadline: float,
              called_off: Callable[[], bool]) -> Store | None:
     from torch.distributed import DistError, DistNetworkError, TCPStore

@@ -142,6 +142,36 @@ def test_gloo_groups_made_in_the_training_function_are_captured_and_no_other(lis
             end.close()
 
 
+def test_members_of_a_group_meet_first_and_no_one_else(monkeypatch):
+    """With before_group, each member of a group about to be made meets the others
+    (formation.meet_members) with the group's timeout, or its store's; a rank not in
+    the group, and the default group (no ranks listed), meet nobody."""
+    import datetime
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    class Store:
+        timeout = datetime.timedelta(seconds=7)
+
+    def maker(group_size, group_rank, global_ranks_in_group, backend, store, group_name,
+              backend_options=None, timeout=None):
+        made.append(group_name)
+        return group_name
+
+    made, met, store = [], [], Store()
+    monkeypatch.setattr(c10d, "_new_process_group_helper", maker)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    with capturing_new_groups(lambda *meeting: met.append(meeting)):
+        c10d._new_process_group_helper(2, 1, [0, 1], "gloo", store, "a",
+                                       timeout=datetime.timedelta(seconds=5))
+        c10d._new_process_group_helper(2, None, [0, 2], "gloo", store, "b")
+        c10d._new_process_group_helper(3, 1, [], "gloo", store, "c")
+        c10d._new_process_group_helper(3, 1, [0, 1, 2], "gloo", store, "d")
+    assert made == ["a", "b", "c", "d"]
+    assert met == [(store, "a", 2, 5.0), (store, "d", 3, 7.0)]
+
+
 def test_a_torch_without_the_group_maker_is_left_as_it_is(monkeypatch):
     import torch.distributed.distributed_c10d as c10d
 
