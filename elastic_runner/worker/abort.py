@@ -290,8 +290,13 @@ def capturing_new_groups(before_group: BeforeGroup | None = None) -> Iterator[No
     @functools.wraps(make)
     def make_captured(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs):
         if before_group is not None and global_ranks_in_group:
-            _meet_first(before_group, parameters.bind(
-                group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs))
+            try:
+                call = parameters.bind(group_size, group_rank, global_ranks_in_group, backend,
+                                       *args, **kwargs)
+            except TypeError:
+                call = None  # torch's own call below raises the same, in its words
+            if call is not None:
+                _meet_first(before_group, global_ranks_in_group, call)
         with capturing_sockets(str(backend)):
             return make(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs)
 
@@ -302,14 +307,15 @@ def capturing_new_groups(before_group: BeforeGroup | None = None) -> Iterator[No
         setattr(c10d, _GROUP_MAKER, make)
 
 
-def _meet_first(before_group: BeforeGroup, call: inspect.BoundArguments) -> None:
-    """`before_group` for a member of the group `call` makes (torch 2.13's helper:
-    store, group_name, timeout); non-members make nothing and meet nobody."""
+def _meet_first(before_group: BeforeGroup, members, call: inspect.BoundArguments) -> None:
+    """`before_group` for a member of the group `call` makes (torch 2.13's helper
+    names its arguments store, group_name and timeout; a torch that names them
+    otherwise makes its groups without the meeting); non-members make nothing and
+    meet nobody."""
     import torch.distributed as dist
 
-    members, store = call.arguments["global_ranks_in_group"], call.arguments.get("store")
-    if store is None or dist.get_rank() not in members:
+    store, name = call.arguments.get("store"), call.arguments.get("group_name")
+    if store is None or name is None or dist.get_rank() not in members:
         return
     timeout = call.arguments.get("timeout") or store.timeout
-    before_group(store, str(call.arguments["group_name"]), len(members),
-                 timeout.total_seconds())
+    before_group(store, str(name), len(members), timeout.total_seconds())

@@ -172,6 +172,24 @@ def test_members_of_a_group_meet_first_and_no_one_else(monkeypatch):
     assert met == [(store, "a", 2, 5.0), (store, "d", 3, 7.0)]
 
 
+def test_a_group_maker_that_names_its_store_otherwise_makes_groups_without_a_meeting(
+        monkeypatch):
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def maker(group_size, group_rank, global_ranks_in_group, backend, pg_store, pg_name):
+        return pg_name
+
+    met = []
+    monkeypatch.setattr(c10d, "_new_process_group_helper", maker)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    with capturing_new_groups(lambda *meeting: met.append(meeting)):
+        assert c10d._new_process_group_helper(2, 0, [0, 1], "gloo", object(), "a") == "a"
+        with pytest.raises(TypeError):  # torch's own error for a bad call, not ours
+            c10d._new_process_group_helper(2, 0, [0, 1], "gloo", object(), "a", "extra")
+    assert met == []
+
+
 def test_a_torch_without_the_group_maker_is_left_as_it_is(monkeypatch):
     import torch.distributed.distributed_c10d as c10d
 
