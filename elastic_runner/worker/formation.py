@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 CONNECT_ATTEMPT_S = 0.5
 # How often a rank counts who has arrived.
 ARRIVAL_POLL_S = 0.02
+# A group's members come within milliseconds of each other (they reach its making at
+# the same step): their meeting looks again after 1, 2, 4 ... ms, up to ARRIVAL_POLL_S.
+# Polled every 20 ms from the start, the meeting added 17 ms to a newcomer's state
+# transfer (rescale.py, er-inproc join: 0.053 -> 0.070 s).
+GROUP_FIRST_POLL_S = 0.001
 # gloo waits this many times a group's timeout for a peer's first connection
 # (gloo/transport/tcp/pair.h, Pair::waitUntil: "a longer timeout when waiting for
 # initial connect"), and once the timeout for its address in the store.
@@ -148,7 +153,7 @@ def meet_members(store: Store, group_name: str, members: int, timeout_s: float,
 
     deadline = time.monotonic() + timeout_s
     key = f"elastic-run/group-{group_name}/arrived"
-    if not _count_in(store, key, members, timeout_s, deadline, called_off):
+    if not _count_in(store, key, members, timeout_s, deadline, called_off, GROUP_FIRST_POLL_S):
         raise DistError(f"the round was cut while group {group_name} formed (a member is lost)")
 
 
@@ -227,10 +232,13 @@ def _listening(host: str, port: int) -> bool:
 
 
 def _count_in(store: Store, key: str, world_size: int, timeout_s: float, deadline: float,
-              called_off: Callable[[], bool]) -> bool:
-    """Add this rank to the arrivals and wait for the rest: True when all came."""
+              called_off: Callable[[], bool], first_poll_s: float = ARRIVAL_POLL_S) -> bool:
+    """Add this rank to the arrivals and wait for the rest, looking again after
+    `first_poll_s`, then twice as long each time up to ARRIVAL_POLL_S: True when all
+    came."""
     from torch.distributed import DistError, DistStoreError
 
+    poll_s = first_poll_s
     try:
         arrived = store.add(key, 1)
         while arrived < world_size:
@@ -239,7 +247,8 @@ def _count_in(store: Store, key: str, world_size: int, timeout_s: float, deadlin
             if time.monotonic() >= deadline:
                 raise DistStoreError(f"{arrived} of {world_size} ranks came to the round's "
                                      f"store within {timeout_s:g} s")
-            time.sleep(ARRIVAL_POLL_S)
+            time.sleep(poll_s)
+            poll_s = min(ARRIVAL_POLL_S, 2 * poll_s)
             arrived = store.add(key, 0)
     except DistError:
         if called_off():  # rank 0 gave up on the round first and took its store along
