@@ -1,8 +1,8 @@
 """The simulated agents of rendezvous_scale.py and what measures them.
 
 An agent here is the real EtcdRendezvous (its lease, watch and mirror) running the
-agent's loop without workers: ask whether the run re-forms in place (a real agent
-does, agent/standby.py, before it registers), register, next_plan, then
+agent's loop without workers: register, unless the run re-forms in place (asked in
+the same request, as a real agent does, agent/standby.py), next_plan, then
 change_reason on every watch event or every 0.1 s. Spread over processes, each process's agents share
 one gRPC channel; CPU time is read from /proc, and etcd's own request and
 watch-event counters from its /metrics page: counted where they are served, they
@@ -73,8 +73,8 @@ class SimAgent:
         from elastic_runner.rendezvous.protocol import Cause, CauseKind
         try:
             time.sleep(max(0.0, go - time.time()))
-            self.rdzv.runs_in_place()  # agent/standby.py asks first; the answer needs no workers
-            self.rdzv.register()
+            if not self.rdzv.register(unless_in_place=True):  # as agent/standby.py registers
+                self.rdzv.register()  # (a run marked in place: no standby workers here)
             plan = self.rdzv.next_plan(None, Cause(CauseKind.START))
             self._record(plan)
             while monitor and not self.stop.is_set():

@@ -159,8 +159,7 @@ class Agent:
         try:
             if self._prewarm:  # torch imports while the rendezvous runs
                 self._prewarm.fill()
-            self._standby = self._warm_start.begin()
-            self.rendezvous.register()
+            self._standby = self._warm_start.join()  # registers this node
         except BaseException:  # a duplicate node id, another job's spec: leave no scratch
             self.close()  # (and no standby workers)
             raise

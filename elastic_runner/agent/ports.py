@@ -24,8 +24,11 @@ if TYPE_CHECKING:
 class Rendezvous(Protocol):
     """The rounds of one run as one node sees them (EtcdRendezvous in production)."""
 
-    def register(self) -> None:
-        """Check the job spec and announce this node (under its lease)."""
+    def register(self, unless_in_place: bool = False) -> bool:
+        """Check the job spec and announce this node (under its lease); True once
+        announced. With `unless_in_place`, a node of a run whose workers re-form in
+        place is not announced yet (False): its workers start on standby first, then
+        register() is called again (standby.py)."""
 
     def leave(self) -> None:
         """Withdraw this node at once, so the others re-form without waiting."""
@@ -52,9 +55,6 @@ class Rendezvous(Protocol):
 
     def mark_in_place(self, round_number: int) -> None:
         """Say that this run's workers re-form in place (once they showed it)."""
-
-    def runs_in_place(self) -> bool:
-        """Whether a node joining now should start its workers in standby first."""
 
     def report_failure(self, number: int, failure: dict) -> None: ...
 

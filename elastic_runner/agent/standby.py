@@ -4,7 +4,7 @@ Why: on a join the others pause until the newcomer's workers are in the new proc
 group. A fresh worker must first start Python, import torch, build its model and
 restore a checkpoint: seconds on a CPU, tens of seconds on a GPU node (CUDA and the
 checkpoint read). When the run's workers re-form in place (an agent saw them do it
-and said so in etcd: `runs_in_place`), a new node's agent starts its workers on
+and marked the run in etcd: protocol.inplace_key), a new node's agent starts its workers on
 standby instead: no rank, no process group, the re-formation channel's folder. Each
 runs the script up to its training function and reports STANDBY (reform.py); only
 then does the node register, so the round for it opens when its workers are ready.
@@ -26,7 +26,6 @@ import time
 from typing import Callable
 
 from elastic_runner.agent.ports import Rendezvous, Workers
-from elastic_runner.errors import EtcdError
 from elastic_runner.events import EventLog
 from elastic_runner.reform import FAILED, STANDBY, STANDBY_ROUND, ReformChannel
 
@@ -49,15 +48,27 @@ class WarmStart:
         self._stop_grace_s = stop_grace_s
         self._stop_requested = stop_requested
 
-    def begin(self) -> Workers | None:
-        """Standby workers that are ready, or None (the run does not re-form in place,
-        or they could not get ready: then they are stopped)."""
-        try:
-            if not self._rendezvous.runs_in_place():
-                return None
-        except EtcdError as error:  # registering will say what is wrong with etcd
-            log.debug("cannot tell whether the run re-forms in place: %s", error)
+    def join(self) -> Workers | None:
+        """Announce this node; where the run's workers re-form in place, after starting
+        them on standby. Returns those workers once ready, or None (the run does not
+        re-form in place, or they could not get ready: then they are stopped).
+
+        The first registration asks in the same request whether the run re-forms in
+        place (rendezvous.register: `unless_in_place`); only then are workers started
+        and the node announced by a second one.
+        """
+        if self._rendezvous.register(unless_in_place=True):
             return None
+        group = self._ready_workers()
+        try:
+            self._rendezvous.register()
+        except BaseException:  # a duplicate node id, etcd gone: no workers left behind
+            if group is not None:
+                group.stop(self._stop_grace_s)
+            raise
+        return group
+
+    def _ready_workers(self) -> Workers | None:
         started = time.monotonic()
         group = self._start_standby()
         log.info("the run's workers re-form in place: starting %d worker(s) on standby "

@@ -29,8 +29,8 @@ from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
     LeaseNotFound, RendezvousTimeout, RunFinished, ShutdownRequested, WorkerFailure,
 )
-from elastic_runner.etcd.client import (Delete, EtcdClient, KeyValue, Put, key_missing,
-                                       mod_revision_is)
+from elastic_runner.etcd.client import (Delete, EtcdClient, KeyValue, Put, TxnResult,
+                                       key_missing, mod_revision_is)
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
 from elastic_runner.etcd.server import EVERY_INTERFACE, free_port
@@ -96,41 +96,51 @@ class EtcdRendezvous(WhileRunning):
         self._quiet_at: tuple[int, int] | None = None  # running.py: change_reason
 
     # ---- membership -------------------------------------------------------------
-    def register(self) -> None:
-        """Check the job spec, take a lease and announce this node.
+    def register(self, unless_in_place: bool = False) -> bool:
+        """Check the job spec, take a lease and announce this node; True once announced.
+
+        `unless_in_place`: where the run's workers re-form in place, announce nothing
+        and return False (the lease is kept): the agent starts its workers on standby
+        and calls register() again (agent/standby.py).
 
         Raises:
             SpecMismatch / SchemaMismatch: the run id belongs to another job.
             DuplicateNodeId: a live agent of this run already uses our --node-id.
         """
-        snapshot = self._take_lease(starting=True)
+        snapshot = self._take_lease(starting=True, unless_in_place=unless_in_place)
+        if snapshot is registration.STAND_BY:
+            return False
         try:
             self.mirror.start(snapshot)
             self.deputies.ensure(self.lease.id)
         except BaseException:
             self.leave()
             raise
+        return True
 
-    def _take_lease(self, starting: bool) -> tuple[tuple[KeyValue, ...], int] | None:
+    def _take_lease(self, starting: bool, unless_in_place: bool = False
+                    ) -> tuple[tuple[KeyValue, ...], int] | TxnResult | None:
         """Create our node key under a fresh lease (registration.py: never over another's),
-        at a start after checking the job spec.
+        at a start after checking the job spec (or the lease kept while standing by).
 
-        The same transaction opens the first round where there is none yet, takes
-        a free deputy slot, and at a start (`starting`) joins that first round
-        and reads the range our copy starts from. At a start of a thousand agents
-        each sent this one request for up to six (with the spec check), and none
-        raced to create what an earlier one had (round 0, the slots: seen here in
-        etcd's order). Returns that read and its revision, when there is one.
+        The same transaction opens the first round where there is none yet, takes a
+        free deputy slot, and at a start joins that first round and reads the range
+        our copy starts from: one request per agent instead of up to six, and none
+        racing to create what an earlier one had (round 0, the slots). Returns that
+        read and its revision, when there is one (STAND_BY: registration.py).
         """
         def also(lease_id: int) -> list:
             joiner = self._joiner().to_json() if starting else None
             return registration.with_node_key(self.prefix, self.node_id, lease_id,
                                               self.deputies.claim_ops(lease_id), joiner)
         record = registration.node_record(self._config, self._wall_clock)
+        held = self.lease if starting and self.lease and not self.lease.lost.is_set() else None
         self.lease, created = registration.take_lease(
             self._client, self._config, record, on_lost=self.mirror.wake, also=also,
-            spec=self._spec if starting else None)
+            spec=self._spec if starting else None, held=held, unless_in_place=unless_in_place)
         self._registered_at = self._clock()
+        if created is registration.STAND_BY:
+            return created
         if created is None or not starting:
             return None
         joined, shared = created.reads
@@ -147,30 +157,6 @@ class EtcdRendezvous(WhileRunning):
     def ping(self) -> None:
         """One cheap request: raises EtcdUnavailable while etcd does not answer."""
         self._client.server_version()
-
-    # ---- what the agent may use besides rounds ----------------------------------
-    # The agent waits, interrupts and asks how long etcd has been silent; it never
-    # touches the mirror or the lease, so either can change without the agent noticing.
-    def change_marker(self) -> int:
-        """A token for wait_for_change: read it before looking, wait after."""
-        return self.mirror.generation
-
-    def wait_for_change(self, timeout_s: float, since: int) -> bool:
-        """Sleep until etcd changed (or wake() was called) after `since`, or the timeout."""
-        return self.mirror.wait(timeout_s, since)
-
-    def wake(self) -> None:
-        """Make a waiter look again now (a cloud notice, a signal)."""
-        self.mirror.wake()
-
-    def interrupt(self) -> None:
-        """Stop waiting for rounds: next_plan raises ShutdownRequested."""
-        self.shutdown.set()
-        self.mirror.wake()
-
-    def seconds_since_etcd_answered(self) -> float:
-        """How long the lease keep-alive has gone unanswered (0 before registering)."""
-        return self.lease.seconds_since_refresh() if self.lease is not None else 0.0
 
     # ---- reading the mirror -----------------------------------------------------
     def current_round(self) -> RoundView | None:

@@ -280,6 +280,14 @@ def first_round() -> "RoundState":
     return RoundState(0, OPEN, Cause(CauseKind.START).text())
 
 
+def joins_in_place(round_value: bytes | None, marked: bool) -> bool:
+    """Whether a node joining now starts its workers on standby before announcing
+    itself (agent/standby.py): some worker of the run re-formed in place (`marked`:
+    inplace_key is there) and the run has not finished."""
+    return marked and round_value is not None and \
+        RoundState.from_json(round_value).state != FINISHED
+
+
 def spec_conflict(existing: JobSpec, mine: JobSpec) -> str | None:
     """Describe how `mine` differs from the spec the run started with, or None."""
     diffs = [

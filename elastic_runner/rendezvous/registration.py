@@ -128,13 +128,28 @@ def node_record(config: RendezvousConfig, wall_clock: Callable[[], float]) -> by
 # built from the fresh lease's id.
 AlsoOps = Callable[[int], Sequence["Put | Get | Nested"]]
 
+# register_node's answer instead of a registration when it was asked to register only
+# if the run does not re-form in place, and it does: nothing written, the lease kept
+# for the registration that follows the standby start (agent/standby.py).
+STAND_BY = TxnResult(succeeded=False, revision=-1)
+
+
+def joins_in_place_now(client: EtcdClient, prefix: str) -> bool:
+    """protocol.joins_in_place, read from etcd (both keys in one request)."""
+    round_read, mark_read = client.txn(
+        [], [Get(p.round_key(prefix)), Get(p.inplace_key(prefix))]).reads
+    return p.joins_in_place(round_read.kvs[0].value if round_read.kvs else None,
+                            bool(mark_read.kvs))
+
 
 def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
                on_lost: Callable[[], None], attempts: int = 2,
                also: AlsoOps = lambda lease_id: (),
-               spec: p.JobSpec | None = None) -> tuple[KeptLease, TxnResult | None]:
-    """Grant a lease and create this node's key under it, with `also(lease)`'s ops;
-    with `spec`, check the job spec first (register_node).
+               spec: p.JobSpec | None = None, held: KeptLease | None = None,
+               unless_in_place: bool = False) -> tuple[KeptLease, TxnResult | None]:
+    """Grant a lease (or use `held`, one granted for us before) and create this node's
+    key under it, with `also(lease)`'s ops; with `spec`, check the job spec first
+    (register_node, which also reads what `unless_in_place` asks).
 
     A lease can expire between the grant and the create when this process is
     starved of CPU for longer than the TTL; a retry with a fresh lease turns
@@ -142,7 +157,7 @@ def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
 
     Returns the lease and the creating transaction's result (its reads are
     `also`'s); None when an earlier create of ours was found done (its answer
-    was lost).
+    was lost); STAND_BY when `unless_in_place` and the run re-forms in place.
 
     Raises:
         SpecMismatch / SchemaMismatch: the run id belongs to another job.
@@ -151,8 +166,13 @@ def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
     """
     retrying = Retrying(retry=retry_if_exception_type(LeaseNotFound),
                         stop=stop_after_attempt(attempts), reraise=True)
+    given = [held] if held is not None else []
+
+    def attempt() -> tuple[KeptLease, TxnResult | None]:
+        lease = given.pop() if given else KeptLease(client, config.lease_ttl_s, on_lost=on_lost)
+        return _claim_under(lease, client, config, record, also, spec, unless_in_place)
     try:
-        return retrying(_claim_under_new_lease, client, config, record, on_lost, also, spec)
+        return retrying(attempt)
     except LeaseNotFound as exc:
         raise LeaseNotFound(
             f"node {config.node_id!r} could not register: {attempts} fresh leases expired "
@@ -161,14 +181,14 @@ def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
             "--lease-ttl") from exc
 
 
-def _claim_under_new_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
-                           on_lost: Callable[[], None], also: AlsoOps,
-                           spec: p.JobSpec | None) -> tuple[KeptLease, TxnResult | None]:
-    lease = KeptLease(client, config.lease_ttl_s, on_lost=on_lost)
+def _claim_under(lease: KeptLease, client: EtcdClient, config: RendezvousConfig,
+                 record: bytes, also: AlsoOps, spec: p.JobSpec | None,
+                 unless_in_place: bool) -> tuple[KeptLease, TxnResult | None]:
     try:
         if spec is None:
             return lease, claim(client, config, record, lease.id, also(lease.id))
-        return lease, register_node(client, config, spec, record, lease.id, also(lease.id))
+        return lease, register_node(client, config, spec, record, lease.id, also(lease.id),
+                                    unless_in_place=unless_in_place)
     except (DuplicateNodeId, SpecMismatch, SchemaMismatch):
         lease.revoke()
         raise
@@ -178,8 +198,8 @@ def _claim_under_new_lease(client: EtcdClient, config: RendezvousConfig, record:
 
 
 def register_node(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
-                  record: bytes, lease_id: int,
-                  also: Sequence[Put | Get | Nested] = ()) -> TxnResult | None:
+                  record: bytes, lease_id: int, also: Sequence[Put | Get | Nested] = (),
+                  unless_in_place: bool = False) -> TxnResult | None:
     """check_spec, then claim; in one transaction when the run's spec is ours already.
 
     Why: at a start of a thousand agents, all but the first find the spec there.
@@ -188,19 +208,43 @@ def register_node(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
     Any other answer (no spec yet, another job's, older keys, our id held, or a
     role that may not compare the older prefixes) takes the steps one by one,
     which write the spec or say what is wrong.
+
+    `unless_in_place`: also guard on the run not being marked as re-forming in
+    place; where it is, the failed transaction's reads tell, and STAND_BY comes
+    back with nothing written. Why here: that question was a request of its own
+    that every agent sent at its start, a quarter of a start's requests at a
+    thousand agents, and it almost always finds no mark (a run's first start).
     """
     node = p.node_key(config.prefix, config.node_id)
     guards = [key_missing(node), Compare(p.spec_key(config.prefix), "value", "==",
                                          spec.to_json()),
               *map(prefix_empty, _older_prefixes(config))]
+    marks = [p.spec_key(config.prefix), p.inplace_key(config.prefix), p.round_key(config.prefix)]
+    if unless_in_place:
+        guards.append(key_missing(p.inplace_key(config.prefix)))
     try:
-        result = client.txn(guards, [Put(node, record, lease_id), *also])
+        result = client.txn(guards, [Put(node, record, lease_id), *also],
+                            [Get(key) for key in marks] if unless_in_place else [])
     except EtcdAuthError:
         result = None
     if result is not None and result.succeeded:
         return result
+    if unless_in_place and _stands_by(client, config, spec, result):
+        return STAND_BY
     check_spec(client, config, spec)
     return claim(client, config, record, lease_id, also)
+
+
+def _stands_by(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
+               failed: TxnResult | None) -> bool:
+    """After register_node's guards failed: is this node of the run (our spec), and
+    does the run re-form in place? Read again where the transaction was refused."""
+    if failed is None:
+        return joins_in_place_now(client, config.prefix)
+    spec_read, mark_read, round_read = failed.reads
+    ours = bool(spec_read.kvs) and spec_read.kvs[0].value == spec.to_json()
+    return ours and p.joins_in_place(round_read.kvs[0].value if round_read.kvs else None,
+                                     bool(mark_read.kvs))
 
 
 def with_node_key(prefix: str, node_id: str, lease_id: int, slot_ops: Sequence[Nested],

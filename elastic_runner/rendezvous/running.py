@@ -34,7 +34,31 @@ class RoundView:
 
 
 class WhileRunning:
-    """Uses the engine's copy, client, deputies, newcomers and round transactions."""
+    """Uses the engine's copy, client, lease, deputies, newcomers and round transactions."""
+
+    # ---- what the agent may use besides rounds ----------------------------------
+    # The agent waits, interrupts and asks how long etcd has been silent; it never
+    # touches the mirror or the lease, so either can change without the agent noticing.
+    def change_marker(self) -> int:
+        """A token for wait_for_change: read it before looking, wait after."""
+        return self.mirror.generation
+
+    def wait_for_change(self, timeout_s: float, since: int) -> bool:
+        """Sleep until etcd changed (or wake() was called) after `since`, or the timeout."""
+        return self.mirror.wait(timeout_s, since)
+
+    def wake(self) -> None:
+        """Make a waiter look again now (a cloud notice, a signal)."""
+        self.mirror.wake()
+
+    def interrupt(self) -> None:
+        """Stop waiting for rounds: next_plan raises ShutdownRequested."""
+        self.shutdown.set()
+        self.mirror.wake()
+
+    def seconds_since_etcd_answered(self) -> float:
+        """How long the lease keep-alive has gone unanswered (0 before registering)."""
+        return self.lease.seconds_since_refresh() if self.lease is not None else 0.0
 
     # ---- records besides rounds (failures, events, notices, the in-place mark) ---
     def report_failure(self, number: int, failure: dict) -> None:
@@ -60,16 +84,6 @@ class WhileRunning:
             self._client.create_if_absent(p.inplace_key(self.prefix), json.dumps(
                 {"round": round_number, "node": self.node_id}).encode())
             self._marked_in_place = True
-
-    def runs_in_place(self) -> bool:
-        """Whether a node joining now should start its workers before announcing itself:
-        the run's workers re-form in place and it has not finished. Asked before
-        register(), so read from etcd, not the mirror: both keys in one request (a
-        transaction with no condition), one of the few every agent makes at its start."""
-        round_read, mark_read = self._client.txn(
-            [], [Get(p.round_key(self.prefix)), Get(p.inplace_key(self.prefix))]).reads
-        return (bool(round_read.kvs) and bool(mark_read.kvs) and
-                p.RoundState.from_json(round_read.kvs[0].value).state != p.FINISHED)
 
     def etcd_answers_now(self) -> bool:
         """One status request, not retried (the agent's grace check: etcd_outage.py)."""

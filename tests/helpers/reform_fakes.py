@@ -225,7 +225,8 @@ class ScriptedRendezvous:
         self._deadline = time.monotonic() + TEST_DEADLINE_S
         self.marked: list[int] = []  # rounds in which mark_in_place was called
         self.on_next_plan = lambda number: None  # just before round `number` is issued
-        self.in_place = False  # what runs_in_place answers
+        self.in_place = False  # the run is marked as re-forming in place (register)
+        self.refuse_registration: Exception | None = None  # raised by a plain register()
 
     def next_plan(self, previous: Plan | None, cause: Cause) -> Plan:
         last = self.issued[-1] if self.issued else None
@@ -267,7 +268,15 @@ class ScriptedRendezvous:
         return [e for e in self.events if e["kind"] == kind]
 
     # the rest of the port: nothing to script
-    def register(self) -> None: self.journal.append("register")
+    def register(self, unless_in_place: bool = False) -> bool:
+        if unless_in_place and self.in_place:
+            self.journal.append("stand by")
+            return False
+        if self.refuse_registration is not None:
+            raise self.refuse_registration
+        self.journal.append("register")
+        return True
+
     def leave(self) -> None: self.journal.append("leave")
     def ping(self) -> None: ...
     def etcd_answers_now(self) -> bool: return True
@@ -282,7 +291,6 @@ class ScriptedRendezvous:
 
     # in-place capability, as the engine keeps it in etcd
     def mark_in_place(self, round_number: int) -> None: self.marked.append(round_number)
-    def runs_in_place(self) -> bool: return self.in_place
 
 
 class Node:

@@ -105,13 +105,13 @@ def lease_expires_before_the_first(times: int, monkeypatch) -> list[int]:
     leases: list[int] = []
 
     def revoking(real):
-        def create(client, config, *rest):
+        def create(client, config, *rest, **options):
             lease_id = rest[-2]  # (..., record, lease_id, also) in both
             if lease_id not in leases:
                 leases.append(lease_id)
                 if len(leases) <= times:
                     client.revoke_lease(lease_id)
-            return real(client, config, *rest)
+            return real(client, config, *rest, **options)
         return create
     monkeypatch.setattr(registration, "claim", revoking(registration.claim))
     monkeypatch.setattr(registration, "register_node", revoking(registration.register_node))

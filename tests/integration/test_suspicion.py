@@ -17,6 +17,7 @@ import time
 import pytest
 
 from elastic_runner.config import EtcdConfig, RendezvousConfig
+from elastic_runner.errors import RunFinished, SpecMismatch
 from elastic_runner.etcd.client import Delete, EtcdClient
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous.engine import EtcdRendezvous
@@ -214,31 +215,75 @@ def test_suspect_records_only_a_suspicion(agents):
     assert a.rdzv.current_round().state.number == 0
 
 
-def test_a_run_is_marked_as_re_forming_in_place_once_and_only_while_it_runs(agents, etcd):
-    """What a joining node reads before it registers (agent/standby.py)."""
+def test_a_run_is_marked_as_re_forming_in_place_once(agents, etcd):
     a, b = agents("marked", "a", "b")
     start = held_by_all([a, b], 0)
+    a.rdzv.mark_in_place(start.round)
+    marked = a.client.get(p.inplace_key(a.rdzv.prefix))
+    assert marked is not None
+    a.rdzv.mirror.wait_revision(marked.mod_revision, timeout_s=10)
+    a.rdzv.mark_in_place(start.round)  # seen in its copy: no second write
+    b.rdzv.mark_in_place(start.round)  # a race lost to a: create-if-absent
+    assert a.client.get(p.inplace_key(a.rdzv.prefix)).mod_revision == marked.mod_revision
+
+
+def test_a_node_of_a_run_that_re_forms_in_place_stands_by_before_it_registers(agents, etcd):
+    """register(unless_in_place=True), as agent/standby.py asks it: one request tells
+    a run's first start (register now) from a run marked as re-forming in place (start
+    the workers on standby first; nothing written, the lease kept for the registration
+    after), a finished run, and another job under the same run id."""
+    fresh = Agent(etcd.endpoint, "not-marked", "x")
+    a, b = agents("marked", "a", "b")
+    start = held_by_all([a, b], 0)
+    a.rdzv.mark_in_place(start.round)
     newcomer = Agent(etcd.endpoint, "marked", "c")
+    stranger = Agent(etcd.endpoint, "marked", "d", max_nodes=4)  # another job's spec
     try:
-        assert newcomer.rdzv.runs_in_place() is False  # nobody re-formed in place yet
-        a.rdzv.mark_in_place(start.round)
-        marked = newcomer.client.get(p.inplace_key(newcomer.rdzv.prefix))
-        assert marked is not None
-        a.rdzv.mirror.wait_revision(marked.mod_revision, timeout_s=10)
-        a.rdzv.mark_in_place(start.round)  # seen in its copy: no second write
-        b.rdzv.mark_in_place(start.round)  # a race lost to a: create-if-absent
-        again = newcomer.client.get(p.inplace_key(newcomer.rdzv.prefix))
-        assert again.mod_revision == marked.mod_revision
-        assert newcomer.rdzv.runs_in_place() is True
-        a.rdzv.finish(start)
-        assert newcomer.rdzv.runs_in_place() is False  # finished: nothing to join
-        other = Agent(etcd.endpoint, "another-run", "c")
-        try:
-            assert other.rdzv.runs_in_place() is False  # one run's mark is not another's
-        finally:
-            other.client.close()
+        assert fresh.rdzv.register(unless_in_place=True) is True  # one run's mark is
+        assert fresh.client.get(p.node_key(fresh.rdzv.prefix, "x")) is not None  # not another's
+        assert newcomer.rdzv.register(unless_in_place=True) is False
+        assert newcomer.client.get(p.node_key(newcomer.rdzv.prefix, "c")) is None
+        kept = newcomer.rdzv.lease.id
+        assert newcomer.client.lease_remaining(kept) > 0
+        with pytest.raises(SpecMismatch):  # said at once, before any worker starts
+            stranger.rdzv.register(unless_in_place=True)
+        assert newcomer.rdzv.register() is True
+        key = newcomer.client.get(p.node_key(newcomer.rdzv.prefix, "c"))
+        assert key is not None and key.lease == kept  # the lease it stood by with
     finally:
-        newcomer.client.close()
+        for agent in (fresh, newcomer, stranger):
+            agent.close()
+
+
+def test_a_lease_lost_while_standing_by_is_replaced_when_the_node_registers(agents, etcd):
+    """Standby workers may take minutes to get ready (a GPU node's checkpoint), and a
+    starved agent may lose the lease it kept meanwhile: it registers with a new one."""
+    a, b = agents("lost-standby", "a", "b")
+    a.rdzv.mark_in_place(held_by_all([a, b], 0).round)
+    newcomer = Agent(etcd.endpoint, "lost-standby", "c")
+    try:
+        assert newcomer.rdzv.register(unless_in_place=True) is False
+        kept = newcomer.rdzv.lease.id
+        newcomer.client.revoke_lease(kept)  # behind the keep-alive's back
+        assert newcomer.rdzv.register() is True
+        key = newcomer.client.get(p.node_key(newcomer.rdzv.prefix, "c"))
+        assert key is not None and key.lease == newcomer.rdzv.lease.id != kept
+    finally:
+        newcomer.close()
+
+
+def test_a_node_of_a_finished_run_does_not_stand_by(agents, etcd):
+    a, b = agents("finished", "a", "b")
+    start = held_by_all([a, b], 0)
+    a.rdzv.mark_in_place(start.round)
+    a.rdzv.finish(start)
+    late = Agent(etcd.endpoint, "finished", "c")
+    try:
+        assert late.rdzv.register(unless_in_place=True) is True  # nothing to join: it
+        with pytest.raises(RunFinished):  # learns so at once, with no workers started
+            late.rdzv.next_plan(None, p.Cause(p.CauseKind.START))
+    finally:
+        late.close()
 
 
 def test_a_join_after_a_suspicion_does_not_wait_for_the_left_out_nodes_lease(agents):

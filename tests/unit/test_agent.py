@@ -56,8 +56,9 @@ class FakeRendezvous:
         self.interrupted = False
         self._looks = itertools.count(1)
 
-    def register(self) -> None:
-        self.journal.append("register")
+    def register(self, unless_in_place: bool = False) -> bool:
+        self.journal.append("register")  # these workers never re-form in place: no standby
+        return True
 
     def leave(self) -> None:
         self.journal.append("leave")
@@ -127,9 +128,6 @@ class FakeRendezvous:
 
     def mark_in_place(self, round_number: int) -> None:
         self.journal.append(f"in place {round_number}")
-
-    def runs_in_place(self) -> bool:
-        return False  # these workers never re-form in place: no standby start
 
     def kinds(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["kind"] == kind]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from elastic_runner.contract import EXIT_FOR_RESIZE
+from elastic_runner.errors import DuplicateNodeId
 from elastic_runner.reform import STANDBY_ROUND, TRAINING, ReformChannel
 from elastic_runner.rendezvous.protocol import Cause, CauseKind
 from tests.helpers.reform_fakes import NODE, Behaviour, FakeGroup, Node, members
@@ -21,7 +22,7 @@ def test_a_joining_node_readies_its_workers_before_registering_and_places_them(t
     node = Node(tmp_path, JOIN_X, Behaviour(finish_round=0))
     node.rendezvous.in_place = True
     assert node.run() == 0
-    assert node.journal[:3] == ["start standby", "register", "round 0"]
+    assert node.journal[:4] == ["stand by", "start standby", "register", "round 0"]
     assert len(node.groups) == 1  # the standby processes are the round's workers
     states = [w.assignments for w in node.groups[0].workers]
     assert [(a.round, a.rank, a.world_size, a.local_world_size, a.master_port)
@@ -44,6 +45,18 @@ def test_standby_workers_that_fail_are_replaced_by_fresh_ones(tmp_path, behaviou
     assert len(fallbacks) == 1 and why in fallbacks[0]["reason"]
     assert [g.round for g in node.groups] == [STANDBY_ROUND, 0]  # then fresh workers
     assert node.journal[-2:] == ["finish round 0", "leave"]
+
+
+def test_standby_workers_stop_when_the_node_cannot_register(tmp_path):
+    """A second agent with our --node-id, found only once our workers were ready:
+    the error is the agent's, and no standby worker outlives it."""
+    node = Node(tmp_path, JOIN_X, Behaviour(finish_round=0))
+    node.rendezvous.in_place = True
+    node.rendezvous.refuse_registration = DuplicateNodeId("node id 'a' is already registered")
+    assert node.run() == DuplicateNodeId.exit_code
+    assert "already registered" in str(node.error)
+    assert node.journal[:2] == ["stand by", "start standby"]
+    assert "stop round--1 workers" in node.journal and "register" not in node.journal
 
 
 def test_a_run_that_does_not_re_form_in_place_starts_no_standby_workers(tmp_path):
