@@ -160,6 +160,11 @@ class Agent:
             if self._prewarm:  # torch imports while the rendezvous runs
                 self._prewarm.fill()
             self._standby = self._warm_start.join()  # registers this node
+        except ShutdownRequested:  # before the node was announced: nobody waits for it
+            log.info("stopped by %s before joining the run", self._signal_name())
+            self.rendezvous.leave()  # the lease its registration kept
+            self.close()
+            return self._shutdown_code(workers_ok=True)
         except BaseException:  # a duplicate node id, another job's spec: leave no scratch
             self.close()  # (and no standby workers)
             raise

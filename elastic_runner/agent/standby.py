@@ -26,6 +26,7 @@ import time
 from typing import Callable
 
 from elastic_runner.agent.ports import Rendezvous, Workers
+from elastic_runner.errors import ShutdownRequested
 from elastic_runner.events import EventLog
 from elastic_runner.reform import FAILED, STANDBY, STANDBY_ROUND, ReformChannel
 
@@ -52,6 +53,7 @@ class WarmStart:
         """Announce this node; where the run's workers re-form in place, after starting
         them on standby. Returns those workers once ready, or None (the run does not
         re-form in place, or they could not get ready: then they are stopped).
+        Raises ShutdownRequested, the node not announced, when a signal came first.
 
         The first registration asks in the same request whether the run re-forms in
         place (rendezvous.register: `unless_in_place`); only then are workers started
@@ -60,6 +62,10 @@ class WarmStart:
         if self._rendezvous.register(unless_in_place=True):
             return None
         group = self._ready_workers()
+        if self._stop_requested():  # reclaimed while its workers got ready: announcing the
+            if group is not None:   # node now would only cost the others a round for it
+                group.stop(self._stop_grace_s)
+            raise ShutdownRequested("a signal arrived before the node joined the run")
         try:
             self._rendezvous.register()
         except BaseException:  # a duplicate node id, etcd gone: no workers left behind

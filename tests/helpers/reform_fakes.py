@@ -227,6 +227,7 @@ class ScriptedRendezvous:
         self.on_next_plan = lambda number: None  # just before round `number` is issued
         self.in_place = False  # the run is marked as re-forming in place (register)
         self.refuse_registration: Exception | None = None  # raised by a plain register()
+        self.on_stand_by = lambda: None  # as register() answers that the run is in place
 
     def next_plan(self, previous: Plan | None, cause: Cause) -> Plan:
         last = self.issued[-1] if self.issued else None
@@ -271,6 +272,7 @@ class ScriptedRendezvous:
     def register(self, unless_in_place: bool = False) -> bool:
         if unless_in_place and self.in_place:
             self.journal.append("stand by")
+            self.on_stand_by()
             return False
         if self.refuse_registration is not None:
             raise self.refuse_registration

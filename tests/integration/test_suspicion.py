@@ -238,6 +238,7 @@ def test_a_node_of_a_run_that_re_forms_in_place_stands_by_before_it_registers(ag
     a.rdzv.mark_in_place(start.round)
     newcomer = Agent(etcd.endpoint, "marked", "c")
     stranger = Agent(etcd.endpoint, "marked", "d", max_nodes=4)  # another job's spec
+    reclaimed = Agent(etcd.endpoint, "marked", "e")
     try:
         assert fresh.rdzv.register(unless_in_place=True) is True  # one run's mark is
         assert fresh.client.get(p.node_key(fresh.rdzv.prefix, "x")) is not None  # not another's
@@ -250,8 +251,11 @@ def test_a_node_of_a_run_that_re_forms_in_place_stands_by_before_it_registers(ag
         assert newcomer.rdzv.register() is True
         key = newcomer.client.get(p.node_key(newcomer.rdzv.prefix, "c"))
         assert key is not None and key.lease == kept  # the lease it stood by with
+        assert reclaimed.rdzv.register(unless_in_place=True) is False
+        reclaimed.rdzv.leave()  # a signal while its workers got ready (agent.py)
+        assert reclaimed.client.lease_remaining(reclaimed.rdzv.lease.id) <= 0
     finally:
-        for agent in (fresh, newcomer, stranger):
+        for agent in (fresh, newcomer, stranger, reclaimed):
             agent.close()
 
 
