@@ -61,7 +61,7 @@ class WarmStart:
         """
         if self._rendezvous.register(unless_in_place=True):
             return None
-        group = self._ready_workers()
+        group = None if self._stop_requested() else self._ready_workers()
         if self._stop_requested():  # reclaimed while its workers got ready: announcing the
             if group is not None:   # node now would only cost the others a round for it
                 group.stop(self._stop_grace_s)

@@ -310,12 +310,14 @@ class Node:
                                monitor_interval_s=0.005)
         config = AgentConfig(rdzv, EtcdConfig(), workers, max_restarts=0, verbosity=0,
                              notice_file=tmp_path / "reclaim-notice")
+        self.on_start = lambda plan: None  # just after workers start (plan None: standby)
         self.agent = Agent(config, self.rendezvous, EtcdConfig(), {}, self._start)
 
     def _start(self, plan, node_id, job, config, base_env, echo=True, error_dir=None):
         self.job = job
         self.journal.append(f"start round {plan.round}" if plan else "start standby")
         self.groups.append(FakeGroup(plan, job, self.behaviour, self.journal, config.nproc))
+        self.on_start(plan)
         return self.groups[-1]
 
     def channel_shows(self, phase: str, round_number: int) -> bool:

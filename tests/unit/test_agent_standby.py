@@ -60,16 +60,23 @@ def test_standby_workers_stop_when_the_node_cannot_register(tmp_path):
     assert "stop round--1 workers" in node.journal and "register" not in node.journal
 
 
-def test_a_node_stopped_while_its_workers_get_ready_never_registers(tmp_path):
+@pytest.mark.parametrize("when", ["as-it-learns-the-run-is-in-place", "as-its-workers-start"])
+def test_a_node_stopped_while_its_workers_get_ready_never_registers(tmp_path, when):
     """A spot node reclaimed seconds after it appeared (the g4dn replay has several):
     announced, it would cost the others a round opened for it and another without it."""
     node = Node(tmp_path, JOIN_X, Behaviour(finish_round=0))
     node.rendezvous.in_place = True
-    node.rendezvous.on_stand_by = lambda: node.agent.request_stop(signal.SIGTERM)
+    stop = lambda *_: node.agent.request_stop(signal.SIGTERM)  # noqa: E731
+    if when == "as-its-workers-start":
+        node.on_start = stop
+    else:
+        node.rendezvous.on_stand_by = stop
     assert node.run() == 0  # SIGTERM, nothing of ours failed
-    assert node.journal[:2] == ["stand by", "start standby"]
-    assert "stop round--1 workers" in node.journal and "register" not in node.journal
-    assert node.journal[-1] == "leave" and not node.rendezvous.issued
+    started = when == "as-its-workers-start"
+    assert node.journal[:3] == (["stand by", "start standby", "stop round--1 workers"]
+                                if started else ["stand by", "leave"])
+    assert "register" not in node.journal and not node.rendezvous.issued
+    assert node.journal[-1] == "leave"
 
 
 def test_a_run_that_does_not_re_form_in_place_starts_no_standby_workers(tmp_path):
