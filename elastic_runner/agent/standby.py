@@ -62,13 +62,12 @@ class WarmStart:
         if self._rendezvous.register(unless_in_place=True):
             return None
         group = None if self._stop_requested() else self._ready_workers()
-        if self._stop_requested():  # reclaimed while its workers got ready: announcing the
-            if group is not None:   # node now would only cost the others a round for it
-                group.stop(self._stop_grace_s)
-            raise ShutdownRequested("a signal arrived before the node joined the run")
         try:
+            if self._stop_requested():  # reclaimed while its workers got ready: announcing
+                # the node now would only cost the others a round for it
+                raise ShutdownRequested("a signal arrived before the node joined the run")
             self._rendezvous.register()
-        except BaseException:  # a duplicate node id, etcd gone: no workers left behind
+        except BaseException:  # a signal, a duplicate node id, etcd gone: no workers left
             if group is not None:
                 group.stop(self._stop_grace_s)
             raise

@@ -219,12 +219,13 @@ def register_node(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
     guards = [key_missing(node), Compare(p.spec_key(config.prefix), "value", "==",
                                          spec.to_json()),
               *map(prefix_empty, _older_prefixes(config))]
-    marks = [p.spec_key(config.prefix), p.inplace_key(config.prefix), p.round_key(config.prefix)]
-    if unless_in_place:
+    failure_reads: list[Get] = []
+    if unless_in_place:  # _stands_by reads them in this order
         guards.append(key_missing(p.inplace_key(config.prefix)))
+        failure_reads = [Get(p.spec_key(config.prefix)), Get(p.inplace_key(config.prefix)),
+                         Get(p.round_key(config.prefix))]
     try:
-        result = client.txn(guards, [Put(node, record, lease_id), *also],
-                            [Get(key) for key in marks] if unless_in_place else [])
+        result = client.txn(guards, [Put(node, record, lease_id), *also], failure_reads)
     except EtcdAuthError:
         result = None
     if result is not None and result.succeeded:

@@ -66,7 +66,9 @@ def test_a_node_stopped_while_its_workers_get_ready_never_registers(tmp_path, wh
     announced, it would cost the others a round opened for it and another without it."""
     node = Node(tmp_path, JOIN_X, Behaviour(finish_round=0))
     node.rendezvous.in_place = True
-    stop = lambda *_: node.agent.request_stop(signal.SIGTERM)  # noqa: E731
+
+    def stop(*_) -> None:
+        node.agent.request_stop(signal.SIGTERM)
     if when == "as-its-workers-start":
         node.on_start = stop
     else:
