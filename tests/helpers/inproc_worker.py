@@ -37,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fenced-while", default="",
                         help="the checkpoint record refuses every save while this file exists")
     parser.add_argument("--assignment-timeout", type=float, default=120.0)
+    parser.add_argument("--booted", default="",
+                        help="create this file once torch is imported, before er.init()")
     parser.add_argument("--no-sampler", action="store_true",
                         help="no ElasticSampler: the loop counts steps and calls state.commit()")
     return parser.parse_args()
@@ -52,6 +54,8 @@ def param_hash(model: torch.nn.Module) -> str:
 def main() -> None:
     args = parse_args()
     er_elastic.ASSIGNMENT_TIMEOUT_S = args.assignment_timeout
+    if args.booted:
+        Path(args.booted).touch()
     er.init()
     trace = open(Path(args.trace_dir) / f"worker-{os.getpid()}.jsonl", "a", buffering=1)
 

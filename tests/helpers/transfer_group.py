@@ -16,8 +16,10 @@ SHA-256 of its parameters and optimizer state, and, for `source-dies`, what it s
 - `equal`: ranks 0 and 1 ahead, rank 2 behind.
 - `source-dies`: rank 0 ahead; it exits after a few buckets, mid-transfer.
 - `source-holds`: rank 0 ahead; after a few buckets it stops sending but keeps its
-  connections open (a frozen peer); 1 s later the receivers cut their groups as the
-  broken-round watch does, and say how long their sync took to fail.
+  connections open (a frozen peer); 1 s after it stopped (it says so in a file) the
+  receivers cut their groups as the broken-round watch does, and say how long their
+  sync took to fail. Counted from the stop, not from the start of the sync: on a
+  loaded machine a timer from the start cut the groups before the source held.
 - `source-holds-uncut`: the same without the cut, the group's timeout 4 s: the
   transfer's own group must give up with it, not after torch's default 30 minutes.
 """
@@ -45,6 +47,7 @@ AHEAD = {"three": {0}, "equal": {0, 1}, "source-dies": {0}, "source-holds": {0},
 TIMEOUT_S = {"source-holds-uncut": 4}
 CUT_AFTER_S = 1.0
 BUCKETS_BEFORE_DYING = 3
+HELD = "source-held"  # the file the holding source creates once it stops sending
 
 
 class Tied(torch.nn.Module):
@@ -102,6 +105,7 @@ def hold_mid_transfer(out: str) -> None:
     def broadcast(tensor, *args, **kwargs):
         calls[0] += 1
         if calls[0] > 2 + BUCKETS_BEFORE_DYING:
+            Path(out, HELD).touch()
             while not all(Path(out, f"rank{rank}.json").exists() for rank in (1, 2)):
                 time.sleep(0.05)
             os._exit(0)
@@ -110,11 +114,14 @@ def hold_mid_transfer(out: str) -> None:
     dist.broadcast = broadcast
 
 
-def cut_later() -> None:
-    """What the broken-round watch does once the agent marks the round broken."""
+def cut_later(out: str) -> None:
+    """What the broken-round watch does once the agent marks the round broken: here
+    CUT_AFTER_S after the source held."""
     from elastic_runner.worker.abort import group_sockets
 
     def cut() -> None:
+        while not Path(out, HELD).exists():
+            time.sleep(0.02)
         time.sleep(CUT_AFTER_S)
         group_sockets.cut()
 
@@ -146,7 +153,7 @@ def rank_main(rank: int, scenario: str, out: str, port: int) -> None:
         if rank == 0:
             hold_mid_transfer(out)
         elif scenario == "source-holds":
-            cut_later()
+            cut_later(out)
     result = {"rank": rank, "before": before, "tensor_bytes": sum(
         t.numel() * t.element_size() for t in state_transfer.split(state._states())[1])}
     started = time.monotonic()

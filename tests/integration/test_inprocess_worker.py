@@ -55,6 +55,15 @@ class Node:
             reform_dir=str(self.channel.directory), collective_timeout_s=30,
             formation_timeout_s=cluster.formation_s).to_env(), extra)
 
+    def start_booted(self, cluster: "Cluster", rank: int, world: int, port: int,
+                     round_number: int) -> None:
+        """start(), returning once the worker has imported torch and goes to meet its
+        round. Why: the others wait FORMATION_S for it, and on a loaded machine a
+        Python start and `import torch` alone can take longer."""
+        booted = self.dir / "booted"
+        self.start(cluster, rank, world, port, round_number, "--booted", str(booted))
+        cluster.wait(booted.exists, f"{self.dir.name}'s worker to import torch")
+
     def start_standby(self, cluster: "Cluster", *extra: str) -> None:
         """As agent/standby.py starts a joining node's worker: no place, no group."""
         env = WorkerEnv(local_rank=0, local_world_size=1, round=STANDBY_ROUND, standby=True,
@@ -270,8 +279,8 @@ def test_a_newcomer_receives_the_state_from_one_survivor(cluster_of):
     paused = cluster.start_and_pause([first, second])
     assert [s.step for s in paused] == [HOLD + 1, HOLD + 1]
     port = free_port()
+    newcomer.start_booted(cluster, 2, 3, port, 1)
     assign_in_order((first, second), 1, 3, port)
-    newcomer.start(cluster, 2, 3, port, 1)
     assert cluster.exit_codes(cluster.nodes) == [0, 0, 0]
     assert_consistent(cluster, {0: 2, 1: 3})
     syncs = {r["rank"]: r for r in cluster.rows("sync") if r["round"] == 1}
@@ -411,8 +420,8 @@ def test_a_round_whose_group_never_forms_is_paused_in_and_the_next_one_taken(clu
     assert all(s.reason.startswith(f"{COLLECTIVE_ERROR}: round 1 did not form") for s in stuck)
     assert [s.step for s in stuck] == [HOLD + 1, HOLD + 1]  # nothing trained meanwhile
     port = free_port()
+    fresh.start_booted(cluster, 2, 3, port, 2)
     assign_in_order((first, second), 2, 3, port)
-    fresh.start(cluster, 2, 3, port, 2)
     assert cluster.exit_codes(cluster.nodes) == [0, 0, 0]
     assert_consistent(cluster, {0: 2, 2: 3})
     assert pids_by_round(cluster)[2] == {first.proc.pid, second.proc.pid, fresh.proc.pid}
