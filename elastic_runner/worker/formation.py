@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 # One attempt to reach rank 0's store: a rank that waits longer between looks at its
 # channel keeps the others paused that much longer after the round is called off.
 CONNECT_ATTEMPT_S = 0.5
+# The name of the thread an attempt runs in (_Attempt), so that it can be told apart.
+CONNECT_THREAD = "elastic-run-store-connect"
 # How often a rank counts who has arrived.
 ARRIVAL_POLL_S = 0.02
 # A group's members come within milliseconds of each other (they reach its making at
@@ -206,7 +208,7 @@ class _Attempt:
         self.error: BaseException | None = None
         self._done = threading.Event()
         threading.Thread(target=self._run, args=(make,), daemon=True,
-                         name="elastic-run-store-connect").start()
+                         name=CONNECT_THREAD).start()
 
     def _run(self, make: Callable[[], Store]) -> None:
         try:

@@ -38,6 +38,17 @@ time.sleep(600)
 """
 
 
+def abandoned_connects_end() -> None:
+    """After closing what a given-up store client waits on: wait for its thread to end.
+    Why: torch prints a C++ stack trace when that client's handshake fails, and after
+    the test's teardown nothing captures it: it landed in the suite's output. (Leaving
+    the peer open instead aborts the interpreter at exit: the thread is still in C++.)"""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            thread.name == formation.CONNECT_THREAD for thread in threading.enumerate()):
+        time.sleep(0.02)
+
+
 @pytest.fixture
 def stopped_rank0():
     """The port of a rank 0 whose process hosts the round's store and is then stopped."""
@@ -51,6 +62,7 @@ def stopped_rank0():
     finally:
         proc.kill()
         proc.wait()
+        abandoned_connects_end()
 
 
 @pytest.fixture
@@ -60,6 +72,7 @@ def silent_listener():
         server.bind(("127.0.0.1", 0))
         server.listen(16)
         yield server.getsockname()[1]
+    abandoned_connects_end()
 
 
 def meet_in_thread(port: int, timeout_s: float, called_off) -> dict:
