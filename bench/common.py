@@ -251,6 +251,19 @@ def wait_until(pred, timeout: float, poll: float = 0.1):
     return None
 
 
+def check_etcd_binary(parser, binary: str | None) -> None:
+    """A --etcd-binary that is not there ends the run at once, in one line: a soak or a
+    scale run found it only after its set-up, with a traceback. Debian's package puts
+    etcd in /usr/bin; scripts/debian_etcd.sh unpacks it into .venv/debian-etcd/usr/bin."""
+    from elastic_runner.errors import EtcdBinaryNotFound
+    from elastic_runner.etcd.server import find_etcd_binary
+
+    try:
+        find_etcd_binary(binary)
+    except EtcdBinaryNotFound as error:
+        parser.error(str(error))
+
+
 # ---- output ----------------------------------------------------------------------
 def etcd_version(binary: str | None = None) -> str:
     """The version the etcd server `binary` (default: the one the agents find) reports."""

@@ -54,6 +54,7 @@ backend get_state/set_state calls (each one reads or writes the whole state).
         --etcd-profile profiles --out rs-profile.json   # etcd's CPU by category
     .venv/bin/python bench/rendezvous_scale.py --sizes 256,1024 --no-torch \
         --etcd-binary /usr/bin/etcd --out bench/latest/rendezvous_scale-etcd34.json
+        # Debian's package; the tests' set-up unpacks it into .venv/debian-etcd/usr/bin/etcd
 
 With --etcd-profile DIR, etcd runs with --enable-pprof and bench/etcd_profile.py keeps
 back-to-back 1 s CPU profiles of every member in DIR; each phase then reports the
@@ -397,6 +398,7 @@ def parse_args():
         ap.error(f"--etcd-members {args.etcd_members}: give 1 or more (3 is etcd's usual cluster)")
     if args.cpu_hogs < 0:
         ap.error(f"--cpu-hogs {args.cpu_hogs}: give 0 or more")
+    c.check_etcd_binary(ap, args.etcd_binary)
     return args
 
 
