@@ -23,15 +23,15 @@ from tests.e2e.harness import Job, read_jsonl
 pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_inproc.py"
+# 300 steps: the epoch must outlast every change of a test, and a newcomer's standby
+# start (import torch, the model) runs while the others train: 60 steps when quiet,
+# up to 130 with two CPU hogs alongside. The steps after the last change are the
+# test's idle tail (0.05-0.1 s each), so no more than that.
 SAMPLES = 7200
 BATCH = 24  # divisible by 1, 2, 3 and 4 ranks: every rank trains the same count per step
 LAST_STEP = SAMPLES // BATCH  # the sampler counts steps from 1
-# Why 300 steps: the epoch must outlast every change of a test, and a newcomer's
-# standby start (import torch, the model) runs while the others train: measured at
-# 60 steps when quiet, at most twice that under the suite's load. The steps after
-# the last change are the test's idle tail (0.05-0.1 s each), so no more than that.
-# A frozen node stops the others' training until they re-form, so the frozen-node
-# test needs only enough steps to freeze one mid-epoch.
+# A frozen node stops the others' training until they re-form: 150 steps are enough
+# to freeze one mid-epoch.
 FROZEN_SAMPLES = 3600
 
 
@@ -168,7 +168,7 @@ def test_a_frozen_node_does_not_hang_the_survivors(inproc):
     boundary's group got the job's timeout, leaving the group waited on its agreement
     in flight (30 minutes, torch's default) and the agents fell back to restarting
     the survivors."""
-    inproc.script_args = _longer(inproc.script_args, samples=FROZEN_SAMPLES)
+    inproc.script_args = _with_samples(inproc.script_args, samples=FROZEN_SAMPLES)
     inproc.start("a", "b", "c")
     first = wait_world(inproc, 3)
     inproc.kill("c", signal.SIGSTOP)
@@ -210,7 +210,7 @@ def check_consistency_and_redone(trace: list[dict]) -> int:
     return sum(len(rounds) - 1 for rounds in _rounds_by_step(trace).values())
 
 
-def _longer(script_args: tuple[str, ...], samples: int) -> tuple[str, ...]:
+def _with_samples(script_args: tuple[str, ...], samples: int) -> tuple[str, ...]:
     args = list(script_args)
     args[args.index("--samples") + 1] = str(samples)
     return tuple(args)
