@@ -134,12 +134,9 @@ AlsoOps = Callable[[int], Sequence["Put | Get | Nested"]]
 STAND_BY = TxnResult(succeeded=False, revision=-1)
 
 
-def joins_in_place_now(client: EtcdClient, prefix: str) -> bool:
-    """protocol.joins_in_place, read from etcd (both keys in one request)."""
-    round_read, mark_read = client.txn(
-        [], [Get(p.round_key(prefix)), Get(p.inplace_key(prefix))]).reads
-    return p.joins_in_place(round_read.kvs[0].value if round_read.kvs else None,
-                            bool(mark_read.kvs))
+def _in_place_reads(prefix: str) -> list[Get]:
+    """What _stands_by decides from, in its order: the spec, the mark, the round key."""
+    return [Get(p.spec_key(prefix)), Get(p.inplace_key(prefix)), Get(p.round_key(prefix))]
 
 
 def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
@@ -220,10 +217,9 @@ def register_node(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
                                          spec.to_json()),
               *map(prefix_empty, _older_prefixes(config))]
     failure_reads: list[Get] = []
-    if unless_in_place:  # _stands_by reads them in this order
+    if unless_in_place:
         guards.append(key_missing(p.inplace_key(config.prefix)))
-        failure_reads = [Get(p.spec_key(config.prefix)), Get(p.inplace_key(config.prefix)),
-                         Get(p.round_key(config.prefix))]
+        failure_reads = _in_place_reads(config.prefix)
     try:
         result = client.txn(guards, [Put(node, record, lease_id), *also], failure_reads)
     except EtcdAuthError:
@@ -239,10 +235,11 @@ def register_node(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
 def _stands_by(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
                failed: TxnResult | None) -> bool:
     """After register_node's guards failed: is this node of the run (our spec), and
-    does the run re-form in place? Read again where the transaction was refused."""
-    if failed is None:
-        return joins_in_place_now(client, config.prefix)
-    spec_read, mark_read, round_read = failed.reads
+    does the run re-form in place? Read again where the transaction was refused
+    (a role that may not compare the older prefixes)."""
+    reads = failed.reads if failed is not None else \
+        client.txn([], _in_place_reads(config.prefix)).reads
+    spec_read, mark_read, round_read = reads
     ours = bool(spec_read.kvs) and spec_read.kvs[0].value == spec.to_json()
     return ours and p.joins_in_place(round_read.kvs[0].value if round_read.kvs else None,
                                      bool(mark_read.kvs))

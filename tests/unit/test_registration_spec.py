@@ -9,7 +9,7 @@ import pytest
 
 from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import EtcdAuthError, SpecMismatch
-from elastic_runner.etcd.client import KeyValue, TxnResult
+from elastic_runner.etcd.client import KeyValue, Read, TxnResult
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous import registration
 
@@ -82,4 +82,38 @@ def test_registration_of_another_job_writes_no_node_key():
     client = RunOnlyRole(spec_there=p.JobSpec(1, 4, "script-a").to_json())
     with pytest.raises(SpecMismatch, match="max_nodes 4"):
         registration.register_node(client, CONFIG, SPEC, b"record", 5)
+    assert not [call for call in client.calls if "/nodes/" in call]
+
+
+class MarkedRunRole(RunOnlyRole):
+    """A role limited to the run, on a run marked as re-forming in place (open round
+    0) whose spec is `spec_there`: answers a plain read of the run's keys."""
+
+    def txn(self, compares, success, failure=()):
+        if compares:
+            return super().txn(compares, success, failure)
+        self.calls.append("read")
+        stored = {p.spec_key(CONFIG.prefix): self.spec_there,
+                  p.inplace_key(CONFIG.prefix): b'{"round": 0}',
+                  p.round_key(CONFIG.prefix): p.first_round().to_json()}
+        return TxnResult(True, 7, tuple(
+            Read(1, (KeyValue(op.key, stored[op.key], 1, 1, 1, 0),)) for op in success))
+
+
+def test_a_role_limited_to_the_run_stands_by_in_a_run_that_re_forms_in_place():
+    """Its registration transaction refused, it reads the spec, the mark and the round
+    as the refused transaction would have: our spec and a mark, so nothing is written."""
+    client = MarkedRunRole(spec_there=SPEC.to_json())
+    answer = registration.register_node(client, CONFIG, SPEC, b"record", 5,
+                                        unless_in_place=True)
+    assert answer is registration.STAND_BY
+    assert client.calls == ["txn refused", "read"]
+
+
+def test_a_role_limited_to_the_run_does_not_stand_by_for_another_job():
+    """Another job's spec under our run id is refused before any standby worker starts,
+    whether the registration transaction was refused or answered."""
+    client = MarkedRunRole(spec_there=p.JobSpec(1, 4, "script-a").to_json())
+    with pytest.raises(SpecMismatch, match="max_nodes 4"):
+        registration.register_node(client, CONFIG, SPEC, b"record", 5, unless_in_place=True)
     assert not [call for call in client.calls if "/nodes/" in call]
