@@ -115,7 +115,13 @@ class _Stream:
                  owner: object):
         self.owner = owner
         self._lock = threading.Lock()
-        self._waiting: dict[int, queue.SimpleQueue] = {}
+        # Per lease: asks sent and answers had. etcd answers a stream's requests one by
+        # one, in order (server/etcdserver/api/v3rpc/lease.go: leaseKeepAlive), so the
+        # n-th answer about a lease is the answer to its n-th ask; an earlier ask's late
+        # answer, which may predate a revoke, is kept instead of taken for this one's.
+        self._asked: dict[int, int] = {}
+        self._answered: dict[int, int] = {}
+        self._waiting: dict[int, tuple[int, queue.SimpleQueue]] = {}
         self._unclaimed: dict[int, tuple[Any, float]] = {}  # lease -> (answer, when it came)
         self._ended: BaseException | None = None
         # Timed-out asks since the stream last answered anything: an answer about any
@@ -145,8 +151,9 @@ class _Stream:
     def _deliver(self, answer: Any) -> None:
         with self._lock:
             self.misses = 0
-            waiter = self._waiting.get(answer.ID)
-            if waiter is None:
+            answered = self._answered[answer.ID] = self._answered.get(answer.ID, 0) + 1
+            asking, waiter = self._waiting.get(answer.ID, (None, None))
+            if waiter is None or answered < asking:
                 self._unclaimed[answer.ID] = (answer, time.monotonic())
             else:
                 waiter.put(answer)
@@ -154,7 +161,7 @@ class _Stream:
     def _end(self, why: BaseException) -> None:
         with self._lock:
             self._ended = why
-            for waiter in self._waiting.values():
+            for _, waiter in self._waiting.values():
                 waiter.put(why)
 
     def ask(self, request: Any, lease_id: int, deadline_s: float) -> int | None:
@@ -167,22 +174,36 @@ class _Stream:
             if self._ended is not None:
                 raise self._ended
             kept = self._unclaimed.pop(lease_id, None)
-            self._waiting[lease_id] = waiter
-        self._requests.put(request)
+            asking = self._asked[lease_id] = self._asked.get(lease_id, 0) + 1
+            self._waiting[lease_id] = (asking, waiter)
+            self._requests.put(request)  # under the lock: requests go out in asking order
         try:
             answer = waiter.get(timeout=max(0.0, deadline_s))
         except queue.Empty:
-            ttl = _still_valid(*kept) if kept is not None else None
-            if ttl is None:
-                with self._lock:
-                    self.misses += 1
-            return ttl
+            return self._missed(lease_id, waiter, kept)
         finally:
             with self._lock:
-                self._waiting.pop(lease_id, None)
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer.TTL
+                self._stop_waiting(lease_id, waiter)
+        return _ttl_of(answer)
+
+    def _missed(self, lease_id: int, waiter: queue.SimpleQueue,
+                kept: tuple[Any, float] | None) -> int | None:
+        """No answer in time: one that came between the deadline and the lock still
+        counts; else the freshest late answer to an earlier ask (it may have come while
+        this one waited); else a miss."""
+        with self._lock:
+            self._stop_waiting(lease_id, waiter)
+            if not waiter.empty():
+                return _ttl_of(waiter.get())
+            kept = self._unclaimed.pop(lease_id, None) or kept
+            ttl = _still_valid(*kept) if kept is not None else None
+            if ttl is None:
+                self.misses += 1
+            return ttl
+
+    def _stop_waiting(self, lease_id: int, waiter: queue.SimpleQueue) -> None:
+        if self._waiting.get(lease_id, (None, None))[1] is waiter:
+            del self._waiting[lease_id]
 
     def close(self) -> None:
         self._requests.put(_END)
@@ -192,6 +213,12 @@ class _Stream:
                 cancel()
             except Exception:  # noqa: BLE001 - closing a dead stream must not fail
                 pass
+
+
+def _ttl_of(answer: Any) -> int:
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer.TTL
 
 
 def _still_valid(answer: Any, came_at: float) -> int | None:

@@ -19,12 +19,14 @@ class FakeServer:
     `ttl`: the TTL it answers; `silent`: lease ids it never answers; `delay_s`: how
     late an answer comes (etcd's gRPC proxy answers at its own next refresh);
     `answer_id`: answer about this lease instead; `end_after`: end the stream after
-    that many answers."""
+    that many answers; `in_turn`: answer one request at a time, as etcd does, reading
+    the TTL when it starts on one and taking the next of these seconds over it."""
 
     def __init__(self):
         self.opened: list[object] = []
         self.ttl, self.silent, self.delay_s = 30, set(), 0.0
         self.answer_id, self.end_after = None, None
+        self.in_turn: list[float] | None = None
 
     def open(self, owner, requests):
         self.opened.append(owner)
@@ -33,6 +35,11 @@ class FakeServer:
         def serve():
             for count, request in enumerate(requests, 1):
                 if request in self.silent:
+                    continue
+                if self.in_turn is not None:
+                    ttl = self.ttl
+                    time.sleep(self.in_turn.pop(0))
+                    answers.put(SimpleNamespace(ID=request, TTL=ttl))
                     continue
                 answer = SimpleNamespace(ID=self.answer_id or request, TTL=self.ttl)
                 threading.Timer(self.delay_s, answers.put, args=(answer,)).start()
@@ -125,6 +132,24 @@ def test_a_prompt_answer_is_preferred_to_a_kept_one():
     time.sleep(0.3)  # the TTL-30 answer arrived and is kept
     server.delay_s, server.ttl = 0.0, -1
     assert keepalive.refresh(7, 1.0, owner) == -1
+    keepalive.close()
+
+
+def test_a_late_answer_to_an_earlier_ask_is_not_taken_for_the_answer_to_this_one():
+    """CI once saw a revoked lease refreshed on the stream with TTL 30. The first ask
+    is answered late (a frozen server); the second is sent meanwhile and etcd, before
+    the revoke, starts on it slowly. The first's answer must not pass for the
+    second's, or the second's (TTL 30) is taken as the answer to the ask after the
+    revoke."""
+    server, owner = FakeServer(), object()
+    keepalive = stream(server)
+    server.in_turn = [0.4, 0.3, 0.0]
+    assert keepalive.refresh(7, 0.2, owner) is None
+    time.sleep(0.05)
+    assert keepalive.refresh(7, 2.0, owner) == 30
+    server.ttl = 0  # revoked
+    assert keepalive.refresh(7, 2.0, owner) == 0
+    assert len(server.opened) == 1
     keepalive.close()
 
 
