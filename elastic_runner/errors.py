@@ -96,6 +96,10 @@ class StaleWriterError(CheckpointError):
         self.step = step  # the refused checkpoint's
 
 
+class GroupFormationError(ElasticRunError):
+    """A worker's first process group did not form: a member of its round is gone."""
+
+
 class ShutdownRequested(ElasticRunError):
     """SIGTERM/SIGINT reached the agent; not a failure of the job."""
 

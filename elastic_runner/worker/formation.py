@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
+from elastic_runner.errors import GroupFormationError
 from elastic_runner.reform import ReformChannel
 
 if TYPE_CHECKING:
@@ -94,10 +95,24 @@ def form_first_group(backend: str, timeout_s: float, round_number: int, rank: in
         return
     place = Place(round_number, rank, world_size, environ["MASTER_ADDR"],
                   int(environ["MASTER_PORT"]))
-    # Never called off: the restart path stops the fresh workers of a round that is over.
-    store = meet(place, timeout_s, called_off=lambda: False)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout)
+    try:
+        # Never called off: the restart path stops the fresh workers of a round that is over.
+        store = meet(place, timeout_s, called_off=lambda: False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+    except dist.DistError as error:
+        raise _formation_failed(place, error) from error
+
+
+def _formation_failed(place: Place, error: Exception) -> GroupFormationError:
+    """One line for what is no bug of the script: a member of the round was lost while
+    the ranks formed (rank 0's host reclaimed, say). Its agent is re-forming the run
+    already; a traceback in every other worker's log only hid that (a chaos soak)."""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return GroupFormationError(
+        f"rank {place.rank} of round {place.round} could not form its process group "
+        f"(rank 0's store at {place.master_addr}:{place.master_port}): {reason}. A member "
+        "of the round is gone; elastic-run re-forms the run without it")
 
 
 def init_timeout_s(backend: str, formation_timeout_s: float) -> float:

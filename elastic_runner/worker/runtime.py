@@ -162,6 +162,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
         survive_nccl_errors()
     if job.quick_exit:
         quick_exit.enable()
+    _report_our_errors_in_one_line()  # before the group: its forming can fail (a lost member)
     if dist.is_initialized():
         _warn_on_hand_typed_ranks(dist.get_rank(), dist.get_world_size(), context)
     elif context.world_size > 1 or "MASTER_ADDR" in environ:
@@ -170,7 +171,6 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
                                        context.world_size, environ,
                                        under_elastic_run=bool(job.reform_dir))
     _active[:] = [context]
-    _report_our_errors_in_one_line()
     if context.round == STANDBY_ROUND:
         log.info("local rank %d on %s: standby, no place in the run yet (er.elastic waits "
                  "for one)", context.local_rank, device)

@@ -12,6 +12,7 @@ deadline too.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import socket
@@ -31,8 +32,9 @@ ROUND, WORLD = 4, 2
 HOST_STORE = """
 import datetime, sys, time
 from torch.distributed import TCPStore
-TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=True, wait_for_workers=False,
-         multi_tenant=True, timeout=datetime.timedelta(seconds=60))
+# Kept in a name: a store nothing refers to is freed at once, and its port closed.
+store = TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=True, wait_for_workers=False,
+                 multi_tenant=True, timeout=datetime.timedelta(seconds=60))
 print("listening", flush=True)
 time.sleep(600)
 """
@@ -133,3 +135,47 @@ def test_a_store_that_answers_is_met_once_every_rank_arrived():
     assert "error" not in outcome and outcome["store"] is not None and results[0] is not None
     results[0].set("from-rank-0", b"hello")
     assert outcome["store"].get("from-rank-0") == b"hello"
+
+
+def test_a_worker_whose_rank_0_host_is_lost_in_er_init_says_so_in_one_line(tmp_path):
+    """Rank 1 of a fresh round has counted itself in at rank 0's store when rank 0's
+    host dies (SIGKILL). Seen in a chaos soak: every such worker printed a traceback
+    while its agent was already re-forming. Now: one line naming the round and the
+    store, and exit 1 as before."""
+    from torch.distributed import TCPStore
+
+    from elastic_runner.contract import variable
+
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", HOST_STORE, str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    assert host.stdout.readline().strip() == "listening"
+    (tmp_path / "reform").mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ELASTIC_RUN_", "TORCHELASTIC_"))}
+    env.update({"RANK": "1", "WORLD_SIZE": str(WORLD), "LOCAL_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                variable("round"): str(ROUND), variable("reform_dir"): str(tmp_path / "reform"),
+                variable("collective_timeout_s"): "60"})
+    worker = subprocess.Popen([sys.executable, "-c", "import elastic_runner as er; er.init()"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        watcher = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=60))
+        deadline = time.monotonic() + 60
+        while watcher.add(formation.arrival_key(ROUND), 0) < 1:
+            assert time.monotonic() < deadline and worker.poll() is None, worker.stderr.read()
+            time.sleep(0.05)
+        host.kill()
+        _, stderr = worker.communicate(timeout=60)
+    finally:
+        host.kill()
+        host.wait()
+        worker.kill()
+    ours = [line for line in stderr.splitlines() if line.startswith("elastic-run worker:")]
+    assert worker.returncode == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    assert len(ours) == 1, stderr
+    assert f"rank 1 of round {ROUND} could not form its process group " \
+           f"(rank 0's store at 127.0.0.1:{port})" in ours[0]
+    assert "elastic-run re-forms the run without it" in ours[0]
