@@ -6,8 +6,8 @@ rank connecting to a store that was going away sat 1.8 s inside torch's construc
 listener that accepts and never answers holds torch's handshake forever (measured:
 still in TCPStore::ping's recv after 10 minutes). The rank must leave as soon as the
 round is called off, and fail by its deadline when it is not. A stopped rank 0
-(SIGSTOP) is the third case: its store refuses the probe, and the rank fails by the
-deadline too.
+(SIGSTOP) is the third case: the kernel still accepts connections to its store and
+nothing answers them, and the rank fails by the deadline too.
 """
 
 from __future__ import annotations
