@@ -97,7 +97,8 @@ class StaleWriterError(CheckpointError):
 
 
 class GroupFormationError(ElasticRunError):
-    """A worker's first process group did not form: a member of its round is gone."""
+    """A worker's first process group did not form: a member of its round was lost, or
+    rank 0's store failed."""
 
 
 class ShutdownRequested(ElasticRunError):

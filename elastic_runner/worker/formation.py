@@ -106,13 +106,14 @@ def form_first_group(backend: str, timeout_s: float, round_number: int, rank: in
 
 def _formation_failed(place: Place, error: Exception) -> GroupFormationError:
     """One line for what is no bug of the script: a member of the round was lost while
-    the ranks formed (rank 0's host reclaimed, say). Its agent is re-forming the run
-    already; a traceback in every other worker's log only hid that (a chaos soak)."""
+    the ranks formed (rank 0's host reclaimed, say), or rank 0 could not open the
+    store. Its agent re-forms the round; a traceback in every other worker's log only
+    hid that (a chaos soak)."""
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return GroupFormationError(
         f"rank {place.rank} of round {place.round} could not form its process group "
         f"(rank 0's store at {place.master_addr}:{place.master_port}): {reason}. A member "
-        "of the round is gone; elastic-run re-forms the run without it")
+        "of the round was lost or its store failed; elastic-run re-forms the round")
 
 
 def init_timeout_s(backend: str, formation_timeout_s: float) -> float:
