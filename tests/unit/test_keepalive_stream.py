@@ -97,8 +97,8 @@ def test_an_ended_stream_is_given_up_at_once_and_a_gone_lease_is_said():
     server.end_after = 1
     assert keepalive.refresh(7, 1.0, owner) == 30
     started = time.monotonic()
-    assert keepalive.refresh(7, 1.0, owner) is None
-    assert time.monotonic() - started < 0.5  # the end is news: no wait for the deadline
+    assert keepalive.refresh(7, 5.0, owner) is None
+    assert time.monotonic() - started < 2.5  # the end is news: no wait for the deadline
     server.end_after, server.ttl = None, 0
     assert keepalive.refresh(7, 1.0, owner) == 0  # the lease is gone: said, not a failure
     assert len(server.opened) == 2
@@ -154,17 +154,18 @@ def test_a_late_answer_to_an_earlier_ask_is_not_taken_for_the_answer_to_this_one
 
 
 def test_leases_sharing_a_stream_do_not_wait_for_one_another():
-    """Lease 1 is never answered and waits out its 1 s; lease 2, asked meanwhile on
-    the same stream, gets its answer at once."""
+    """Lease 1 is never answered and waits out its 3 s; lease 2, asked meanwhile on
+    the same stream, gets its answer at once (well before lease 1's wait is over,
+    with room for a loaded machine)."""
     server, owner = FakeServer(), object()
     server.silent = {1}
     keepalive = stream(server)
-    first = threading.Thread(target=keepalive.refresh, args=(1, 1.0, owner))
+    first = threading.Thread(target=keepalive.refresh, args=(1, 3.0, owner))
     first.start()
     time.sleep(0.1)
     started = time.monotonic()
-    assert keepalive.refresh(2, 2.0, owner) == 30
-    assert time.monotonic() - started < 0.5
+    assert keepalive.refresh(2, 5.0, owner) == 30
+    assert time.monotonic() - started < 2.0
     first.join()
     assert len(server.opened) == 1
     keepalive.close()
