@@ -143,12 +143,12 @@ def test_a_late_answer_to_an_earlier_ask_is_not_taken_for_the_answer_to_this_one
     revoke."""
     server, owner = FakeServer(), object()
     keepalive = stream(server)
-    server.in_turn = [0.4, 0.3, 0.0]
+    server.in_turn = [1.0, 0.5, 0.0]
     assert keepalive.refresh(7, 0.2, owner) is None
     time.sleep(0.05)
-    assert keepalive.refresh(7, 2.0, owner) == 30
+    assert keepalive.refresh(7, 5.0, owner) == 30
     server.ttl = 0  # revoked
-    assert keepalive.refresh(7, 2.0, owner) == 0
+    assert keepalive.refresh(7, 5.0, owner) == 0
     assert len(server.opened) == 1
     keepalive.close()
 
