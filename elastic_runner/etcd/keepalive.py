@@ -181,9 +181,8 @@ class _Stream:
             answer = waiter.get(timeout=max(0.0, deadline_s))
         except queue.Empty:
             return self._missed(lease_id, waiter, kept)
-        finally:
-            with self._lock:
-                self._stop_waiting(lease_id, waiter)
+        with self._lock:
+            self._stop_waiting(lease_id, waiter)
         return _ttl_of(answer)
 
     def _missed(self, lease_id: int, waiter: queue.SimpleQueue,

@@ -144,7 +144,7 @@ def test_a_worker_whose_rank_0_host_is_lost_in_er_init_says_so_in_one_line(tmp_p
     store, and exit 1 as before."""
     from torch.distributed import TCPStore
 
-    from elastic_runner.contract import variable
+    from elastic_runner.contract import WorkerEnv
 
     port = free_port()
     host = subprocess.Popen([sys.executable, "-c", HOST_STORE, str(port)],
@@ -153,10 +153,9 @@ def test_a_worker_whose_rank_0_host_is_lost_in_er_init_says_so_in_one_line(tmp_p
     (tmp_path / "reform").mkdir()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ELASTIC_RUN_", "TORCHELASTIC_"))}
-    env.update({"RANK": "1", "WORLD_SIZE": str(WORLD), "LOCAL_RANK": "0",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                variable("round"): str(ROUND), variable("reform_dir"): str(tmp_path / "reform"),
-                variable("collective_timeout_s"): "60"})
+    env.update(WorkerEnv(rank=1, world_size=WORLD, master_addr="127.0.0.1", master_port=port,
+                         round=ROUND, reform_dir=str(tmp_path / "reform"),
+                         collective_timeout_s=60).to_env())
     worker = subprocess.Popen([sys.executable, "-c", "import elastic_runner as er; er.init()"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
