@@ -19,7 +19,10 @@ The sequence (`InProcessReform.run`), for round r:
    pauses only when that collective times out (`collective_timeout_s`). For a
    newcomer the order is the other way round: the workers train on until the round
    closes (the newcomer's standby workers are ready by then, standby.py), and only
-   then are asked to pause;
+   then are asked to pause. When this node's own lease expired (it froze past it),
+   the workers leave their round first and only then does the node register again
+   (`_rejoin_once_paused`): the others are training without it, and no round of
+   theirs waits for workers still held in the old one;
 3. wait until every local worker reported PAUSED for r, or exited: at most
    `pause_s`. A graceful pause whose new round lacks a member of r (it froze or
    died meanwhile) is cut as for a loss when no boundary comes within a few steps
@@ -227,6 +230,8 @@ class InProcessReform:
             # pause is the process group and the state transfer only.
             new = self._ctx.rendezvous.next_plan(plan, cause)
             self._ctx.channel.ask_pause(plan.round)
+        elif cause.kind is CauseKind.LEASE_EXPIRED:
+            new = self._rejoin_once_paused(group, plan, cause)
         else:  # a member is gone or leaving: stop at the next step boundary, or at
             # once when it is gone (a collective waiting for it would only time out)
             self._ctx.channel.ask_pause(plan.round, broken=cause.kind in BROKEN_BY)
@@ -244,6 +249,24 @@ class InProcessReform:
             return None
         self._take_places(group, new, "exited during the pause")
         return new
+
+    def _rejoin_once_paused(self, group: Workers, plan: Plan, cause: Cause) -> Plan:
+        """This node froze past its lease: the others re-formed without it. Its workers
+        leave their round before the node registers again, as standby workers get
+        ready before a newcomer announces itself (standby.py).
+
+        Why this order: the registration opens a round for this node at once, the
+        others pause when it closes and then wait for these workers to form it. A
+        thawed worker can stay in its old round's collective until that collective's
+        timeout, counted from before the freeze (seen in a chaos soak: the round was
+        cut, 0 connections were left to cut, and the worker came out only ~6 s later,
+        while the other three nodes stood paused for it). Waiting here costs only this
+        node's own return; the others train on meanwhile.
+        """
+        self._ctx.channel.ask_pause(plan.round, broken=True)
+        self._wait(lambda: self._not_paused(group, plan.round), self._ctx.bounds.pause_s,
+                   "pause")
+        return self._ctx.rendezvous.next_plan(plan, cause)
 
     def _cut_if_held(self, group: Workers, plan: Plan, new: Plan) -> None:
         """Cut round `plan` when a member it holds is missing from `new` and the

@@ -58,6 +58,9 @@ class Behaviour:
     # Local ranks held in round 0's collective by a frozen peer: they reach no step
     # boundary, and pause only once the agent cuts the round (a broken pause request).
     held_in_collective: tuple[int, ...] = ()
+    # Seconds a worker asked to pause takes before it reports PAUSED (a thawed worker
+    # still in its old round's collective).
+    pause_delay_s: float = 0.0
 
 
 class FakeWorker(threading.Thread):
@@ -102,6 +105,7 @@ class FakeWorker(threading.Thread):
                             or b.exit_on_notice and self.notice.exists()):
             return -signal.SIGTERM
         elif self.round == 0 and self.local in b.held_in_collective:
+            time.sleep(b.pause_delay_s)
             self.report(PAUSED, f"{COLLECTIVE_ERROR}: connection closed (the round was cut)")
         elif b.exit_on_notice and self.notice.exists():
             time.sleep(0.05)  # a worker's teardown takes a while

@@ -18,7 +18,7 @@ import pytest
 
 from elastic_runner.agent import reform_driver
 from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, WorkerConfig
-from elastic_runner.reform import COLLECTIVE_ERROR, TRAINING, ReformChannel, WorkerState
+from elastic_runner.reform import COLLECTIVE_ERROR, PAUSED, TRAINING, ReformChannel, WorkerState
 from elastic_runner.rendezvous.protocol import Cause, CauseKind
 from tests.helpers.reform_fakes import (
     NODE, POLL_S, TEST_DEADLINE_S, Behaviour, Node, members,
@@ -131,6 +131,25 @@ def test_workers_that_pause_at_the_boundary_are_not_cut_for_a_member_that_left(t
     assert node.run() == 0
     assert not [r for r in caplog.records if "cutting" in r.getMessage()]
     assert len(node.groups) == 1 and not node.kinds("reform_fallback")
+
+
+def test_a_node_back_from_a_freeze_rejoins_only_once_its_workers_left_their_round(tmp_path):
+    """Its lease expired while it was frozen; the others re-formed without it. Its
+    workers are asked out of their round at once (cut), and the node joins the next
+    round only when both have paused: joining first would make the others pause for
+    a round these workers cannot form yet (a chaos soak: 6 s with three nodes paused)."""
+    rejoined = [members(("x", 2), (NODE, 2)), members(("x", 2), (NODE, 2))]
+    node = Node(tmp_path, rejoined, Behaviour(held_in_collective=(0, 1), pause_delay_s=0.5))
+    node.rendezvous.change = Cause(CauseKind.LEASE_EXPIRED)
+    node.rendezvous.change_when = lambda: node.channel_shows(TRAINING, 0)
+    paused_when_joining = []
+    node.rendezvous.on_next_plan = lambda number: paused_when_joining.append(
+        (number, node.channel_shows(PAUSED, 0)))
+    assert node.run() == 0
+    assert paused_when_joining == [(0, False), (1, True)]
+    assert node.rendezvous.causes[1].kind is CauseKind.LEASE_EXPIRED
+    assert len(node.groups) == 1 and not node.kinds("reform_fallback")
+    assert [a.round for w in node.groups[0].workers for a in w.assignments] == [1, 1]
 
 
 # ---- the restart path -------------------------------------------------------------
