@@ -31,7 +31,7 @@ The sequence (`InProcessReform.run`), for round r:
    or, when this node is not in it, `leave` and wait for them to exit;
 5. wait until every worker reported TRAINING for the new round: at most `form_s`.
    Meanwhile the rendezvous is watched: a member of the new round lost before its
-   group formed calls the round off (`_FormingWatch`): the workers stop forming it and
+   group formed calls the round off (`forming_watch`, round_watch.py): the workers stop forming it and
    report PAUSED in it, and the next re-formation starts from there at once instead
    of after the formation timeout.
 Anything that goes wrong on the way (a worker FAILED or exited, a bound passed, this
@@ -52,6 +52,7 @@ from typing import Callable
 
 from elastic_runner.agent import drain
 from elastic_runner.agent.ports import Rendezvous, Workers
+from elastic_runner.agent.round_watch import LossWatch, not_a_newcomer
 from elastic_runner.config import AgentConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE, read_progress
 from elastic_runner.errors import RendezvousError, ShutdownRequested
@@ -239,10 +240,7 @@ class InProcessReform:
         problem = plan_problem(new)
         if problem:
             raise RendezvousError(f"refusing to re-form workers on round {new.round}: {problem}")
-        if cause.kind not in BROKEN_BY:
-            self._cut_if_held(group, plan, new)
-        self._wait(lambda: self._not_paused(group, plan.round), self._ctx.bounds.pause_s,
-                   "pause")
+        self._wait_paused(group, plan, new, cut=cause.kind in BROKEN_BY)
         ranks = assign_ranks(new, self._ctx.node_id)
         if not ranks:
             self._leave(group, new)
@@ -268,7 +266,18 @@ class InProcessReform:
                    "pause")
         return self._ctx.rendezvous.next_plan(plan, cause)
 
-    def _cut_if_held(self, group: Workers, plan: Plan, new: Plan) -> None:
+    def _wait_paused(self, group: Workers, plan: Plan, new: Plan, cut: bool) -> None:
+        """Until every worker paused in round `plan`; a round not `cut` yet (a graceful
+        pause) is cut once a member is found missing or lost meanwhile."""
+        if cut:
+            return self._wait(lambda: self._not_paused(group, plan.round),
+                              self._ctx.bounds.pause_s, "pause")
+        watch = self.pausing_watch(plan, new)
+        self._cut_if_held(group, plan, new, watch)
+        self._wait(lambda: watch.check(self._not_paused(group, plan.round)),
+                   self._ctx.bounds.pause_s, "pause")
+
+    def _cut_if_held(self, group: Workers, plan: Plan, new: Plan, watch: LossWatch) -> None:
         """Cut round `plan` when a member it holds is missing from `new` and the
         workers do not reach a step boundary in the time a step takes.
 
@@ -285,13 +294,37 @@ class InProcessReform:
         steps = drain.view(read_progress(self._ctx.progress_dir))
 
         def cut() -> None:
+            if watch.seen is not None:
+                return  # cut already, for a loss the rendezvous reported
             log.warning("round %d lost %s while its workers paused for round %d; they "
                         "reached no step boundary in time: cutting the round", plan.round,
                         ", ".join(missing), new.round)
             self._ctx.channel.ask_pause(plan.round, broken=True)
 
-        self._wait(lambda: self._not_paused(group, plan.round),
+        self._wait(lambda: watch.check(self._not_paused(group, plan.round)),
                    drain.agreement_wait(steps, self._ctx.bounds.pause_s), "pause", cut)
+
+    def pausing_watch(self, plan: Plan, new: Plan) -> LossWatch:
+        """Cuts round `plan` once a member of `new` is lost while the workers pause
+        for it (round_watch.py): a member that froze after `new` closed holds the
+        collective in flight, and no step boundary comes until it thaws."""
+        def cut(cause: Cause) -> None:
+            log.warning("round %d lost a member while its workers paused for round %d "
+                        "(%s): cutting the round", plan.round, new.round, cause.text())
+            self._ctx.channel.ask_pause(plan.round, broken=True)
+        return LossWatch(self._ctx.rendezvous, self._ctx.node_id, new,
+                         lambda cause: cause.kind in BROKEN_BY, cut, notices=False)
+
+    def forming_watch(self, new: Plan) -> LossWatch:
+        """Calls round `new` off once one of its members is gone before its group
+        formed (round_watch.py): the workers stop forming it and report PAUSED in
+        it, and the monitor re-forms from there as after any pause."""
+        def call_off(cause: Cause) -> None:
+            log.warning("round %d lost a member before its group formed (%s); asking the "
+                        "workers to stop forming it", new.round, cause.text())
+            self._ctx.channel.ask_pause(new.round)
+        return LossWatch(self._ctx.rendezvous, self._ctx.node_id, new, not_a_newcomer,
+                         call_off, notices=True)
 
     def place(self, group: Workers, plan: Plan) -> bool:
         """Give standby workers (standby.py) their places in `plan`; False when they
@@ -312,10 +345,10 @@ class InProcessReform:
                 f"round {new.round} gives this node {len(ranks)} workers, it runs "
                 f"{len(group.pids)}")
         self._assign(group, new)
-        watch = _FormingWatch(self._ctx, new)
-        self._wait(lambda: watch.call_off_if_lost(self._not_formed(group, new.round)),
+        watch = self.forming_watch(new)
+        self._wait(lambda: watch.check(self._not_formed(group, new.round)),
                    self._ctx.bounds.form_s, "re-form")
-        if watch.called_off is not None:
+        if watch.seen is not None:
             self._called_off_round = new.round
         self._became_capable(new.round)
 
@@ -427,48 +460,6 @@ class InProcessReform:
         log.info("re-formed in place: world size %d -> %d in %.2f s (round %d, restarts "
                  "%d/%d); workers kept their processes", old.world_size, new.world_size,
                  pause_s, new.round, new.restart_count, self._ctx.max_restarts)
-
-
-class _FormingWatch:
-    """Calls a round off while its group forms, once one of its members is gone.
-
-    Why: a member reclaimed (or crashed) after the round closed never comes to the
-    group, and the workers that did would wait out the formation timeout. The
-    rendezvous is asked here, as the monitor asks it while training, so that the
-    deputy that sees the loss opens the next round at once; then the workers are
-    asked to pause in the round they are forming (worker/formation.py stops meeting),
-    they report PAUSED for it, and the monitor re-forms from there as after any
-    pause. A newcomer is no reason: the group forms, and takes it in afterwards.
-    """
-
-    LOOK_EVERY_S = 0.05
-
-    def __init__(self, context: ReformContext, new: Plan):
-        self._ctx, self._new = context, new
-        self._next_look = 0.0
-        self.called_off: Cause | None = None
-
-    def call_off_if_lost(self, left: list[int]) -> list[int]:
-        """`left` (the local ranks still forming), after calling the round off if due."""
-        now = time.monotonic()
-        if not left or self.called_off is not None or now < self._next_look:
-            return left
-        self._next_look = now + self.LOOK_EVERY_S
-        cause = self._lost_member()
-        if cause is not None:
-            self.called_off = cause
-            log.warning("round %d lost a member before its group formed (%s); asking the "
-                        "workers to stop forming it", self._new.round, cause.text())
-            self._ctx.channel.ask_pause(self._new.round)
-        return left
-
-    def _lost_member(self) -> Cause | None:
-        rendezvous, node = self._ctx.rendezvous, self._ctx.node_id
-        cause = rendezvous.change_reason(self._new)
-        if cause is not None and cause.kind is not CauseKind.NEWCOMER:
-            return cause
-        leaving = [other for other in rendezvous.notices(self._new) if other != node]
-        return Cause(CauseKind.NOTICE, ",".join(leaving)) if leaving else None
 
 
 def _check_not_failed(local: int, state: WorkerState | None, what: str) -> None:

@@ -123,6 +123,30 @@ def test_workers_held_by_a_member_gone_from_the_newcomers_round_are_cut(tmp_path
     assert [a.round for w in node.groups[0].workers for a in w.assignments] == [1, 1]
 
 
+def test_workers_held_by_a_member_lost_after_the_newcomers_round_closed_are_cut(tmp_path,
+                                                                                caplog):
+    """x is in the newcomer's round too: it froze just after that round closed, while
+    the workers paused for it. They reach no boundary until x thaws; the agent cuts
+    the round as soon as the rendezvous reports x lost (a chaos soak: 6.7 s without a
+    step, the pause waiting out the whole freeze)."""
+    script = [members(("x", 2), (NODE, 2)), members(("x", 2), (NODE, 2), ("y", 2))]
+    node = Node(tmp_path, script, Behaviour(held_in_collective=(0, 1)))
+    node.rendezvous.change = Cause(CauseKind.NEWCOMER)
+    node.rendezvous.change_when = lambda: node.channel_shows(TRAINING, 0)
+
+    def x_lost_once_round_1_closed(number: int) -> None:
+        if number == 1:
+            node.rendezvous.change = Cause.member_lost(["x"])
+    node.rendezvous.on_next_plan = x_lost_once_round_1_closed
+    started = time.monotonic()
+    assert node.run() == 0
+    assert time.monotonic() - started < 5.0  # not the pause bound (15 s here)
+    assert [r.getMessage() for r in caplog.records if "cutting" in r.getMessage()] == [
+        "round 0 lost a member while its workers paused for round 1 (member-lost: x): "
+        "cutting the round"]
+    assert len(node.groups) == 1 and not node.kinds("reform_fallback")
+
+
 def test_workers_that_pause_at_the_boundary_are_not_cut_for_a_member_that_left(tmp_path,
                                                                               caplog):
     node = Node(tmp_path, NEWCOMER_WITHOUT_X)
@@ -259,7 +283,7 @@ def _forming_watch(tmp_path: Path, rendezvous: _RoundsAsSeen):
         stop_requested=threading.Event(), stop_grace_s=1.0, max_restarts=1,
         progress_dir=tmp_path, notice_path=tmp_path / "notice")
     new = Plan(4, members(("x", 1), (NODE, 1)), "127.0.0.1", 29504, 0, "member-lost")
-    return reform_driver._FormingWatch(context, new), channel
+    return reform_driver.InProcessReform(context).forming_watch(new), channel
 
 
 @pytest.mark.parametrize("cause, notices, calls_off", [
@@ -273,16 +297,16 @@ def test_a_round_that_loses_a_member_while_forming_is_called_off(tmp_path, cause
                                                                  calls_off):
     rendezvous = _RoundsAsSeen(cause, notices)
     watch, channel = _forming_watch(tmp_path, rendezvous)
-    assert watch.call_off_if_lost([0]) == [0]
+    assert watch.check([0]) == [0]
     assert channel.pause_asked(4) is calls_off
-    assert (watch.called_off is not None) is calls_off
+    assert (watch.seen is not None) is calls_off
     watch._next_look = 0.0
-    watch.call_off_if_lost([0])  # once called off, the rendezvous is not asked again
+    watch.check([0])  # once called off, the rendezvous is not asked again
     assert rendezvous.asked == (1 if calls_off else 2)
 
 
 def test_a_formed_round_is_not_looked_at(tmp_path):
     rendezvous = _RoundsAsSeen(Cause.member_lost(("x",)))
     watch, channel = _forming_watch(tmp_path, rendezvous)
-    assert watch.call_off_if_lost([]) == []
+    assert watch.check([]) == []
     assert rendezvous.asked == 0 and not channel.pause_asked(4)
