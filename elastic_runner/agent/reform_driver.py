@@ -31,9 +31,11 @@ The sequence (`InProcessReform.run`), for round r:
    or, when this node is not in it, `leave` and wait for them to exit;
 5. wait until every worker reported TRAINING for the new round: at most `form_s`.
    Meanwhile the rendezvous is watched: a member of the new round lost before its
-   group formed calls the round off (`forming_watch`, round_watch.py): the workers stop forming it and
-   report PAUSED in it, and the next re-formation starts from there at once instead
-   of after the formation timeout.
+   group formed calls the round off (`forming_watch`, round_watch.py): the workers
+   stop forming it and report PAUSED in it, and the next re-formation starts from
+   there at once instead of after the formation timeout. The pause of step 3 is
+   watched the same way (`pausing_watch`): a member of the new round lost while the
+   workers wait for their step boundary gets the round cut.
 Anything that goes wrong on the way (a worker FAILED or exited, a bound passed, this
 node's worker count changed) ends in the fallback: the workers are stopped and the
 agent takes the restart path for that round, with one log line and one
