@@ -315,7 +315,7 @@ class InProcessReform:
                         "(%s): cutting the round", plan.round, new.round, cause.text())
             self._ctx.channel.ask_pause(plan.round, broken=True)
         return LossWatch(self._ctx.rendezvous, self._ctx.node_id, new,
-                         lambda cause: cause.kind in BROKEN_BY, cut, notices=False)
+                         lambda cause: _holds_round(cause, plan), cut, notices=False)
 
     def forming_watch(self, new: Plan) -> LossWatch:
         """Calls round `new` off once one of its members is gone before its group
@@ -462,6 +462,17 @@ class InProcessReform:
         log.info("re-formed in place: world size %d -> %d in %.2f s (round %d, restarts "
                  "%d/%d); workers kept their processes", old.world_size, new.world_size,
                  pause_s, new.round, new.restart_count, self._ctx.max_restarts)
+
+
+def _holds_round(cause: Cause, plan: Plan) -> bool:
+    """Whether `cause` may hold round `plan`'s collective in flight: a lost member of
+    it (not a newcomer lost just after joining, which the round never had), a
+    suspicion (a failed collective), or this node's own lease gone."""
+    if cause.kind not in BROKEN_BY:
+        return False
+    if cause.kind is CauseKind.MEMBER_LOST and cause.detail:
+        return bool(set(cause.detail.split(",")) & set(plan.node_ids))
+    return True
 
 
 def _check_not_failed(local: int, state: WorkerState | None, what: str) -> None:

@@ -305,6 +305,31 @@ def test_a_round_that_loses_a_member_while_forming_is_called_off(tmp_path, cause
     assert rendezvous.asked == (1 if calls_off else 2)
 
 
+@pytest.mark.parametrize("cause, cuts", [
+    (None, False),
+    (Cause(CauseKind.NEWCOMER), False),  # a third node: it joins the round after this one
+    (Cause.member_lost(("x",)), True),  # in the round being left: it holds its collective
+    (Cause.member_lost(("y",)), False),  # only in the next round: the boundary still comes
+    (Cause.member_suspected(f"{NODE} local rank 0", "collective-error"), True),
+    (Cause(CauseKind.LEASE_EXPIRED), True),  # this node froze: its own round is over
+])
+def test_a_graceful_pause_is_cut_only_for_a_loss_that_holds_its_round(tmp_path, cause, cuts):
+    from elastic_runner.rendezvous.protocol import Plan
+
+    rendezvous = _RoundsAsSeen(cause, notices=("x",))  # a notice is no reason: the
+    channel = ReformChannel(tmp_path / "reform")       # boundary comes, then it leaves
+    context = reform_driver.ReformContext(
+        channel=channel, rendezvous=rendezvous, events=None, node_id=NODE, bounds=None,
+        stop_requested=threading.Event(), stop_grace_s=1.0, max_restarts=1,
+        progress_dir=tmp_path, notice_path=tmp_path / "notice")
+    plan = Plan(3, members(("x", 1), (NODE, 1)), "127.0.0.1", 29503, 0, "start")
+    new = Plan(4, members(("x", 1), (NODE, 1), ("y", 1)), "127.0.0.1", 29504, 0, "newcomer")
+    watch = reform_driver.InProcessReform(context).pausing_watch(plan, new)
+    assert watch.check([0, 1]) == [0, 1]
+    assert channel.broken(3) is cuts
+    assert not channel.pause_asked(4)
+
+
 def test_a_formed_round_is_not_looked_at(tmp_path):
     rendezvous = _RoundsAsSeen(Cause.member_lost(("x",)))
     watch, channel = _forming_watch(tmp_path, rendezvous)
