@@ -274,16 +274,22 @@ class _RoundsAsSeen:
         return self.leaving
 
 
-def _forming_watch(tmp_path: Path, rendezvous: _RoundsAsSeen):
-    from elastic_runner.rendezvous.protocol import Plan
-
+def _reform(tmp_path: Path, rendezvous: _RoundsAsSeen):
+    """An InProcessReform on `rendezvous` alone, and its channel."""
     channel = ReformChannel(tmp_path / "reform")
     context = reform_driver.ReformContext(
         channel=channel, rendezvous=rendezvous, events=None, node_id=NODE, bounds=None,
         stop_requested=threading.Event(), stop_grace_s=1.0, max_restarts=1,
         progress_dir=tmp_path, notice_path=tmp_path / "notice")
+    return reform_driver.InProcessReform(context), channel
+
+
+def _forming_watch(tmp_path: Path, rendezvous: _RoundsAsSeen):
+    from elastic_runner.rendezvous.protocol import Plan
+
+    reform, channel = _reform(tmp_path, rendezvous)
     new = Plan(4, members(("x", 1), (NODE, 1)), "127.0.0.1", 29504, 0, "member-lost")
-    return reform_driver.InProcessReform(context).forming_watch(new), channel
+    return reform.forming_watch(new), channel
 
 
 @pytest.mark.parametrize("cause, notices, calls_off", [
@@ -316,15 +322,11 @@ def test_a_round_that_loses_a_member_while_forming_is_called_off(tmp_path, cause
 def test_a_graceful_pause_is_cut_only_for_a_loss_that_holds_its_round(tmp_path, cause, cuts):
     from elastic_runner.rendezvous.protocol import Plan
 
-    rendezvous = _RoundsAsSeen(cause, notices=("x",))  # a notice is no reason: the
-    channel = ReformChannel(tmp_path / "reform")       # boundary comes, then it leaves
-    context = reform_driver.ReformContext(
-        channel=channel, rendezvous=rendezvous, events=None, node_id=NODE, bounds=None,
-        stop_requested=threading.Event(), stop_grace_s=1.0, max_restarts=1,
-        progress_dir=tmp_path, notice_path=tmp_path / "notice")
+    # x's notice is no reason either: the boundary comes, then x leaves at it.
+    reform, channel = _reform(tmp_path, _RoundsAsSeen(cause, notices=("x",)))
     plan = Plan(3, members(("x", 1), (NODE, 1)), "127.0.0.1", 29503, 0, "start")
     new = Plan(4, members(("x", 1), (NODE, 1), ("y", 1)), "127.0.0.1", 29504, 0, "newcomer")
-    watch = reform_driver.InProcessReform(context).pausing_watch(plan, new)
+    watch = reform.pausing_watch(plan, new)
     assert watch.check([0, 1]) == [0, 1]
     assert channel.broken(3) is cuts
     assert not channel.pause_asked(4)
