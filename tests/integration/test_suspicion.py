@@ -245,7 +245,7 @@ def test_a_node_of_a_run_that_re_forms_in_place_stands_by_before_it_registers(ag
         assert newcomer.rdzv.register(unless_in_place=True) is False
         assert newcomer.client.get(p.node_key(newcomer.rdzv.prefix, "c")) is None
         kept = newcomer.rdzv.lease.id
-        assert newcomer.client.lease_remaining(kept) > 0
+        assert newcomer.client.lease_remaining(kept) >= 0  # kept (whole seconds: may read 0)
         with pytest.raises(SpecMismatch):  # said at once, before any worker starts
             stranger.rdzv.register(unless_in_place=True)
         assert newcomer.rdzv.register() is True
