@@ -54,7 +54,7 @@ from typing import Callable
 
 from elastic_runner.agent import drain
 from elastic_runner.agent.ports import Rendezvous, Workers
-from elastic_runner.agent.round_watch import LossWatch, not_a_newcomer
+from elastic_runner.agent.round_watch import LossWatch
 from elastic_runner.config import AgentConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE, read_progress
 from elastic_runner.errors import RendezvousError, ShutdownRequested
@@ -242,7 +242,12 @@ class InProcessReform:
         problem = plan_problem(new)
         if problem:
             raise RendezvousError(f"refusing to re-form workers on round {new.round}: {problem}")
-        self._wait_paused(group, plan, new, cut=cause.kind in BROKEN_BY)
+        if cause.kind in BROKEN_BY:  # cut already
+            self._wait_paused(group, plan)
+        else:  # graceful: cut once a member is found missing or lost meanwhile
+            watch = self.pausing_watch(plan, new)
+            self._cut_if_held(group, plan, new, watch)
+            self._wait_paused(group, plan, watch)
         ranks = assign_ranks(new, self._ctx.node_id)
         if not ranks:
             self._leave(group, new)
@@ -264,19 +269,14 @@ class InProcessReform:
         node's own return; the others train on meanwhile.
         """
         self._ctx.channel.ask_pause(plan.round, broken=True)
-        self._wait(lambda: self._not_paused(group, plan.round), self._ctx.bounds.pause_s,
-                   "pause")
+        self._wait_paused(group, plan)
         return self._ctx.rendezvous.next_plan(plan, cause)
 
-    def _wait_paused(self, group: Workers, plan: Plan, new: Plan, cut: bool) -> None:
-        """Until every worker paused in round `plan`; a round not `cut` yet (a graceful
-        pause) is cut once a member is found missing or lost meanwhile."""
-        if cut:
-            return self._wait(lambda: self._not_paused(group, plan.round),
-                              self._ctx.bounds.pause_s, "pause")
-        watch = self.pausing_watch(plan, new)
-        self._cut_if_held(group, plan, new, watch)
-        self._wait(lambda: watch.check(self._not_paused(group, plan.round)),
+    def _wait_paused(self, group: Workers, plan: Plan, watch: LossWatch | None = None) -> None:
+        """Until every worker paused in round `plan`; with `watch`, the round is cut once
+        the rendezvous reports a loss that holds it."""
+        check = watch.check if watch is not None else (lambda left: left)
+        self._wait(lambda: check(self._not_paused(group, plan.round)),
                    self._ctx.bounds.pause_s, "pause")
 
     def _cut_if_held(self, group: Workers, plan: Plan, new: Plan, watch: LossWatch) -> None:
@@ -325,8 +325,10 @@ class InProcessReform:
             log.warning("round %d lost a member before its group formed (%s); asking the "
                         "workers to stop forming it", new.round, cause.text())
             self._ctx.channel.ask_pause(new.round)
-        return LossWatch(self._ctx.rendezvous, self._ctx.node_id, new, not_a_newcomer,
-                         call_off, notices=True)
+        # A newcomer is no reason: the group forms, and takes it in afterwards.
+        return LossWatch(self._ctx.rendezvous, self._ctx.node_id, new,
+                         lambda cause: cause.kind is not CauseKind.NEWCOMER, call_off,
+                         notices=True)
 
     def place(self, group: Workers, plan: Plan) -> bool:
         """Give standby workers (standby.py) their places in `plan`; False when they

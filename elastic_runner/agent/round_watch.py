@@ -59,9 +59,3 @@ class LossWatch:
         leaving = [other for other in self._rendezvous.notices(self._new)
                    if other != self._node_id]
         return Cause(CauseKind.NOTICE, ",".join(leaving)) if leaving else None
-
-
-def not_a_newcomer(cause: Cause) -> bool:
-    """A forming round is called off for any change but a newcomer: the group forms,
-    and takes the newcomer in afterwards."""
-    return cause.kind is not CauseKind.NEWCOMER
