@@ -1,5 +1,3 @@
-import sys
+from elastic_runner.cli.main import entry
 
-from elastic_runner.cli.main import main
-
-sys.exit(main())
+entry()

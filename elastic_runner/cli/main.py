@@ -46,5 +46,24 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The process's end once main() has returned: flush, then leave at once.
+
+    By then the agent has stopped its workers, revoked its lease and printed its last
+    line. What interpreter shutdown would still do is tear down grpc's C core under
+    daemon threads (the watch's, the keep-alive stream's), and that teardown can block
+    for good (grpc/grpc#20026: a close that deadlocks): CI once saw an agent print
+    its final error and not exit for 90 s. A finished node must end however a
+    library's finalisers behave, so nothing after this point is left to them."""
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing left to say on it
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
