@@ -13,6 +13,7 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 
 from elastic_runner.cli.flags import parse_args
 from elastic_runner.errors import ElasticRunError, exit_code_for
@@ -54,8 +55,14 @@ def entry() -> None:
     daemon threads (the watch's, the keep-alive stream's), and that teardown can block
     for good (grpc/grpc#20026: a close that deadlocks): CI once saw an agent print
     its final error and not exit for 90 s. A finished node must end however a
-    library's finalisers behave, so nothing after this point is left to them."""
-    code = main()
+    library's finalisers behave, so nothing after this point is left to them. An
+    internal error keeps its traceback and exit code 1 (the README's exit codes);
+    argparse's own exit (usage, --help) comes before any client exists and is left be."""
+    try:
+        code = main()
+    except Exception:  # noqa: BLE001 - a bug: say where, then end like any other exit
+        traceback.print_exc()
+        code = 1
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -57,3 +57,20 @@ def test_the_console_script_ends_on_bad_input_despite_a_thread_that_never_ends(s
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "elastic-run: error: --nproc-per-node 'zero': use a positive integer or 'auto'"]
+
+
+def test_an_internal_error_keeps_its_traceback_and_exit_code_1_despite_a_thread_that_never_ends(
+        tmp_path, stuck_env):
+    site = Path(stuck_env["PYTHONPATH"].split(os.pathsep)[0])
+    with (site / "sitecustomize.py").open("a") as hook:
+        hook.write("import elastic_runner.cli.run as run\n"
+                   "def broken(args, environ):\n"
+                   "    raise RuntimeError('injected internal error')\n"
+                   "run.start = broken\n")
+    done = subprocess.run([sys.executable, "-m", "elastic_runner", "--standalone", "train.py"],
+                          capture_output=True, text=True, timeout=30, env=stuck_env,
+                          cwd=tmp_path)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[-1] == "RuntimeError: injected internal error"
