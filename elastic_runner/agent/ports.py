@@ -41,9 +41,10 @@ class Rendezvous(Protocol):
 
     def current_round(self) -> RoundView | None: ...
 
-    def next_plan(self, previous: Plan | None, cause: Cause) -> Plan:
+    def next_plan(self, previous: Plan | None, cause: Cause, rejoin: bool = True) -> Plan:
         """Block until a round that includes this node closes; raise ShutdownRequested
-        after interrupt(), WorkerFailure/RunFinished when the run ended."""
+        after interrupt(), WorkerFailure/RunFinished when the run ended, LeaseLost
+        when this node's lease is gone and `rejoin` is False (else it registers again)."""
 
     def change_reason(self, plan: Plan) -> Cause | None:
         """Why `plan`'s workers must stop now, or None while it holds."""

@@ -57,7 +57,7 @@ from elastic_runner.agent.ports import Rendezvous, Workers
 from elastic_runner.agent.round_watch import LossWatch
 from elastic_runner.config import AgentConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE, read_progress
-from elastic_runner.errors import RendezvousError, ShutdownRequested
+from elastic_runner.errors import LeaseLost, RendezvousError, ShutdownRequested
 from elastic_runner.events import EventLog
 from elastic_runner.reform import FAILED, PAUSED, TRAINING, Assignment, ReformChannel, WorkerState
 from elastic_runner.rendezvous.protocol import Cause, CauseKind, Plan
@@ -227,18 +227,11 @@ class InProcessReform:
     def _reform(self, group: Workers, plan: Plan, cause: Cause) -> Plan | None:
         if cause.kind is CauseKind.MEMBER_SUSPECTED:  # open the next round now
             self._ctx.rendezvous.suspect(plan, cause)
-        if cause.kind is CauseKind.NEWCOMER:
-            # Nothing is lost by training on until the round closes: a newcomer's
-            # standby workers are ready by the time it joins (standby.py), so the
-            # pause is the process group and the state transfer only.
-            new = self._ctx.rendezvous.next_plan(plan, cause)
-            self._ctx.channel.ask_pause(plan.round)
-        elif cause.kind is CauseKind.LEASE_EXPIRED:
+        try:
+            new = self._next_round(group, plan, cause)
+        except LeaseLost:  # found only now: a thawed node can see a stale change first
+            cause = Cause(CauseKind.LEASE_EXPIRED)
             new = self._rejoin_once_paused(group, plan, cause)
-        else:  # a member is gone or leaving: stop at the next step boundary, or at
-            # once when it is gone (a collective waiting for it would only time out)
-            self._ctx.channel.ask_pause(plan.round, broken=cause.kind in BROKEN_BY)
-            new = self._ctx.rendezvous.next_plan(plan, cause)
         problem = plan_problem(new)
         if problem:
             raise RendezvousError(f"refusing to re-form workers on round {new.round}: {problem}")
@@ -255,6 +248,22 @@ class InProcessReform:
         self._take_places(group, new, "exited during the pause")
         return new
 
+    def _next_round(self, group: Workers, plan: Plan, cause: Cause) -> Plan:
+        """The plan to re-form on; a lease found gone meanwhile raises LeaseLost."""
+        if cause.kind is CauseKind.LEASE_EXPIRED:
+            return self._rejoin_once_paused(group, plan, cause)
+        if cause.kind is CauseKind.NEWCOMER:
+            # Nothing is lost by training on until the round closes: a newcomer's
+            # standby workers are ready by the time it joins (standby.py), so the
+            # pause is the process group and the state transfer only.
+            new = self._ctx.rendezvous.next_plan(plan, cause, rejoin=False)
+            self._ctx.channel.ask_pause(plan.round)
+            return new
+        # A member is gone or leaving: stop at the next step boundary, or at once
+        # when it is gone (a collective waiting for it would only time out).
+        self._ctx.channel.ask_pause(plan.round, broken=cause.kind in BROKEN_BY)
+        return self._ctx.rendezvous.next_plan(plan, cause, rejoin=False)
+
     def _rejoin_once_paused(self, group: Workers, plan: Plan, cause: Cause) -> Plan:
         """This node froze past its lease: the others re-formed without it. Its workers
         leave their round before the node registers again, as standby workers get
@@ -266,7 +275,9 @@ class InProcessReform:
         timeout, counted from before the freeze (seen in a chaos soak: the round was
         cut, 0 connections were left to cut, and the worker came out only ~6 s later,
         while the other three nodes stood paused for it). Waiting here costs only this
-        node's own return; the others train on meanwhile.
+        node's own return; the others train on meanwhile. The same holds when a thawed
+        monitor first saw a stale change (a newcomer the others took in while it was
+        frozen) and next_plan found the lease gone: another soak, 15.6 s.
         """
         self._ctx.channel.ask_pause(plan.round, broken=True)
         self._wait_paused(group, plan)

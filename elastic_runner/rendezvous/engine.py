@@ -27,7 +27,7 @@ from typing import Callable
 
 from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
-    LeaseNotFound, RendezvousTimeout, RunFinished, ShutdownRequested, WorkerFailure,
+    LeaseLost, LeaseNotFound, RendezvousTimeout, RunFinished, ShutdownRequested, WorkerFailure,
 )
 from elastic_runner.etcd.client import (Delete, EtcdClient, KeyValue, Put, TxnResult,
                                        key_missing, mod_revision_is)
@@ -289,21 +289,28 @@ class EtcdRendezvous(WhileRunning):
         return self._joined == (number, self.lease.id)
 
     # ---- the round loop ---------------------------------------------------------
-    def next_plan(self, previous: p.Plan | None, cause: p.Cause) -> p.Plan:
+    def next_plan(self, previous: p.Plan | None, cause: p.Cause,
+                  rejoin: bool = True) -> p.Plan:
         """Block until a closed round includes this node; return its plan.
 
-        `cause` is what a round opened by this node records.
+        `cause` is what a round opened by this node records. A node whose lease is
+        found gone registers again with a new one, unless `rejoin` is False: then
+        LeaseLost is raised, for a caller whose workers must leave their round first.
 
         Raises:
             RendezvousTimeout: fewer than --min-nodes joined within --join-timeout.
             RunFinished / WorkerFailure: the run ended while we waited.
             ShutdownRequested: `shutdown` was set (SIGTERM/SIGINT).
+            LeaseLost: the lease is gone and `rejoin` is False.
         """
         deadline = self._clock() + self._config.join_timeout_s
         while True:
             if self.shutdown.is_set():
                 raise ShutdownRequested("shutdown requested during rendezvous")
             if self.lease.lost.is_set():
+                if not rejoin:
+                    raise LeaseLost(f"node {self.node_id}'s lease is gone: the others "
+                                    "re-formed without it")
                 self._take_lease(starting=False)
                 self.deputies.ensure(self.lease.id)
             generation = self.mirror.generation

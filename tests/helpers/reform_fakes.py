@@ -21,6 +21,7 @@ from elastic_runner.agent.workers import WorkerExit
 from tests.helpers.fake_workers import ExitQueries, run_as_the_cli
 from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, WorkerConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE
+from elastic_runner.errors import LeaseLost
 from elastic_runner.reform import (
     COLLECTIVE_ERROR, FAILED, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, Assignment,
     ReformChannel, WorkerState,
@@ -232,8 +233,13 @@ class ScriptedRendezvous:
         self.in_place = False  # the run is marked as re-forming in place (register)
         self.refuse_registration: Exception | None = None  # raised by a plain register()
         self.on_stand_by = lambda: None  # as register() answers that the run is in place
+        self.lease_gone = False  # found by next_plan: LeaseLost where rejoin=False
 
-    def next_plan(self, previous: Plan | None, cause: Cause) -> Plan:
+    def next_plan(self, previous: Plan | None, cause: Cause, rejoin: bool = True) -> Plan:
+        if self.lease_gone and not rejoin:  # the engine: LeaseLost rather than register
+            self.journal.append("lease lost")
+            raise LeaseLost("the lease is gone")
+        self.lease_gone = False  # registered again, with a new lease
         last = self.issued[-1] if self.issued else None
         if last is not None and previous is not None and last.round > previous.round \
                 and last.member(NODE):

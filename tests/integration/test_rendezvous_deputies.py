@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 
-from elastic_runner.errors import LeaseNotFound
+import pytest
+
+from elastic_runner.errors import LeaseLost, LeaseNotFound
 from elastic_runner.etcd.client import Put
 from elastic_runner.rendezvous import protocol as p
 from tests.helpers.rdzv_nodes import wait_for, wait_for_agreement
@@ -124,6 +126,28 @@ def test_a_deputy_slot_refused_for_an_expired_lease_registers_again(node):
     assert plan.node_ids == ("a1",) and late.rdzv.lease.id != stale
     assert late.rdzv.deputies.holds(late.rdzv.lease.id)
 
+
+
+def test_a_lease_found_gone_is_reported_to_a_caller_that_must_not_register_yet(node):
+    """An agent whose workers still sit in their round asks with rejoin=False: the
+    lease found gone raises LeaseLost and nothing is written; asked again (its
+    workers out), it registers under a new lease and joins the others' round."""
+    stays, thawed = node("thawed", "a0", 8, deputies=1), node("thawed", "a1", 8,
+                                                               deputies=1, begin=False)
+    thawed.rdzv.register()
+    plan = thawed.rdzv.next_plan(None, p.Cause(p.CauseKind.START))
+    wait_for_agreement([stays], 2)
+    stale = thawed.rdzv.lease.id
+    thawed.rdzv.lease.stop()  # frozen: no keep-alive, and etcd drops the lease
+    thawed.client.revoke_lease(stale)
+    wait_for(lambda: stays.plans[-1].node_ids == ("a0",), "a0 to re-form alone", [stays])
+    with pytest.raises(LeaseLost):
+        thawed.rdzv.next_plan(plan, p.Cause(p.CauseKind.NEWCOMER), rejoin=False)
+    assert thawed.rdzv.lease.id == stale
+    assert thawed.client.get(p.node_key(thawed.rdzv.prefix, "a1")) is None
+    again = thawed.rdzv.next_plan(plan, p.Cause(p.CauseKind.LEASE_EXPIRED))
+    assert set(again.node_ids) == {"a0", "a1"} and thawed.rdzv.lease.id != stale
+    assert wait_for_agreement([stays], 2).round == again.round
 
 class PlanReads:
     """The client of one agent, counting its reads of whole plans."""

@@ -176,6 +176,30 @@ def test_a_node_back_from_a_freeze_rejoins_only_once_its_workers_left_their_roun
     assert [a.round for w in node.groups[0].workers for a in w.assignments] == [1, 1]
 
 
+
+def test_a_thawed_node_that_first_sees_a_stale_newcomer_still_rejoins_once_paused(tmp_path):
+    """Back from a freeze, its monitor saw a newcomer the others took in meanwhile
+    before the keep-alive found the lease gone; next_plan finds it (LeaseLost) and the
+    workers leave their round before the node registers again, as for a lease seen to
+    expire (a chaos soak: registered at once, it held the others 15.6 s)."""
+    rejoined = [members(("x", 2), (NODE, 2)), members(("x", 2), (NODE, 2))]
+    node = Node(tmp_path, rejoined, Behaviour(held_in_collective=(0, 1), pause_delay_s=0.5))
+    node.rendezvous.change = Cause(CauseKind.NEWCOMER)
+
+    def thawed() -> bool:  # the stale newcomer shows, and the lease is gone by then
+        node.rendezvous.lease_gone = node.channel_shows(TRAINING, 0)
+        return node.rendezvous.lease_gone
+    node.rendezvous.change_when = thawed
+    paused_when_joining = []
+    node.rendezvous.on_next_plan = lambda number: paused_when_joining.append(
+        (number, node.channel_shows(PAUSED, 0)))
+    assert node.run() == 0
+    assert "lease lost" in node.journal
+    assert paused_when_joining == [(0, False), (1, True)]
+    assert node.rendezvous.causes[1].kind is CauseKind.LEASE_EXPIRED
+    assert len(node.groups) == 1 and not node.kinds("reform_fallback")
+    assert [a.round for w in node.groups[0].workers for a in w.assignments] == [1, 1]
+
 # ---- the restart path -------------------------------------------------------------
 @pytest.mark.parametrize("half_formed", [False, True], ids=["plain-script", "half-formed"])
 def test_workers_that_are_not_all_capable_take_the_restart_path(tmp_path, half_formed):
