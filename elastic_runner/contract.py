@@ -13,6 +13,7 @@ The etcd key layout is not part of it: it lives in `rendezvous/protocol.py`.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -28,6 +29,10 @@ EXIT_FOR_RESIZE = 75
 # torchrun's own default for TORCHELASTIC_SIGNALS_TO_HANDLE (torch.distributed.launcher.api
 # sets it in the agent's environment, which workers inherit).
 DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+# Sent by the agent to a worker it is about to stop for not pausing in time: er.init
+# registers faulthandler for it, so the worker's log shows where each thread was held.
+STACKS_SIGNAL = signal.SIGUSR2
 
 # ---- files in the agent's scratch folder --------------------------------------------
 NOTICE_FILE = "notice"  # appears when the job must stop at the next step boundary

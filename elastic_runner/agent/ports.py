@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:
     from elastic_runner.agent.workers import WorkerExit
@@ -99,6 +99,9 @@ class Workers(Protocol):
     def all_succeeded(self) -> bool: ...
 
     def signal_all(self, signum: int) -> None: ...
+
+    def dump_stacks(self, local_ranks: Sequence[int]) -> None:
+        """These workers (which ran er.init) write their Python stacks to their logs."""
 
     def wait(self, timeout_s: float) -> bool:
         """True once every worker exited, False if some still run after `timeout_s`."""

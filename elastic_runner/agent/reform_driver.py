@@ -19,10 +19,8 @@ The sequence (`InProcessReform.run`), for round r:
    pauses only when that collective times out (`collective_timeout_s`). For a
    newcomer the order is the other way round: the workers train on until the round
    closes (the newcomer's standby workers are ready by then, standby.py), and only
-   then are asked to pause. When this node's own lease expired (it froze past it),
-   the workers leave their round first and only then does the node register again
-   (`_rejoin_once_paused`): the others are training without it, and no round of
-   theirs waits for workers still held in the old one;
+   then are asked to pause. When this node's own lease expired, the workers leave
+   their round before the node registers again (`_rejoin_once_paused`);
 3. wait until every local worker reported PAUSED for r, or exited: at most
    `pause_s`. A graceful pause whose new round lacks a member of r (it froze or
    died meanwhile) is cut as for a loss when no boundary comes within a few steps
@@ -79,10 +77,15 @@ BROKEN_BY = frozenset({CauseKind.MEMBER_LOST, CauseKind.MEMBER_SUSPECTED,
 
 
 class ReformFallback(Exception):
-    """A step of the re-formation failed; the restart path takes this round.
+    """A step of the re-formation failed; the restart path takes this round. `stuck`:
+    local ranks that did not pause in time (their stacks go to their logs first).
 
     Internal: caught by `InProcessReform.run`, never shown to a user as an error.
     """
+
+    def __init__(self, why: str, stuck: tuple[int, ...] = ()):
+        super().__init__(why)
+        self.stuck = stuck
 
 
 # Past a collective timeout, the time a worker needs to leave its group and report.
@@ -218,6 +221,9 @@ class InProcessReform:
         except ReformFallback as why:
             log.warning(message, round_number, why)
             self._ctx.events.emit(event, round=round_number, reason=str(why))
+            if why.stuck:  # where each was held, for whoever reads the fallback
+                log.warning("their Python stacks are in their logs")
+                group.dump_stacks(why.stuck)
             group.stop(self._ctx.stop_grace_s)
             return False, None
         except BaseException:
@@ -269,15 +275,11 @@ class InProcessReform:
         leave their round before the node registers again, as standby workers get
         ready before a newcomer announces itself (standby.py).
 
-        Why this order: the registration opens a round for this node at once, the
-        others pause when it closes and then wait for these workers to form it. A
-        thawed worker can stay in its old round's collective until that collective's
-        timeout, counted from before the freeze (seen in a chaos soak: the round was
-        cut, 0 connections were left to cut, and the worker came out only ~6 s later,
-        while the other three nodes stood paused for it). Waiting here costs only this
-        node's own return; the others train on meanwhile. The same holds when a thawed
-        monitor first saw a stale change (a newcomer the others took in while it was
-        frozen) and next_plan found the lease gone: another soak, 15.6 s.
+        Why: the registration opens a round for this node at once; the others pause
+        when it closes, then wait for these workers to form it. A thawed worker can
+        stay held in its old round long after (chaos soaks: ~6 s with three nodes
+        paused; 15.6 s where the monitor first saw a stale newcomer and next_plan
+        found the lease gone). Waiting here costs only this node's own return.
         """
         self._ctx.channel.ask_pause(plan.round, broken=True)
         self._wait_paused(group, plan)
@@ -431,7 +433,7 @@ class InProcessReform:
                 if past_bound is not None:
                     return past_bound()
                 raise ReformFallback(f"worker local rank(s) {_ranks(left)} did not {what} "
-                                     f"within {bound_s:g} s")
+                                     f"within {bound_s:g} s", tuple(left))
             self._ctx.stop_requested.wait(POLL_S)
 
     def _not_paused(self, group: Workers, number: int) -> list[int]:

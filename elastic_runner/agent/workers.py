@@ -18,13 +18,14 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Sequence
 
 from elastic_runner._process import bound_to_parent
 from elastic_runner.agent.prewarm import WarmPool
 from elastic_runner.config import AgentConfig, EtcdConfig, WorkerConfig
 from elastic_runner.contract import (
     AGENT_ONLY_VARIABLES, EXIT_FOR_RESIZE, NOTICE_FILE, PASSWORD_FILE, PLACEMENT_FIELDS,
-    PROGRESS_DIR, WorkerEnv, error_file, variable,
+    PROGRESS_DIR, STACKS_SIGNAL, WorkerEnv, error_file, variable,
 )
 from elastic_runner.reform import REFORM_DIR, STANDBY_ROUND
 from elastic_runner.rendezvous.protocol import Plan
@@ -277,6 +278,16 @@ class WorkerGroup:
 
     def all_succeeded(self) -> bool:
         return all(e is not None and e.exit_code == 0 for e in self.poll())
+
+    def dump_stacks(self, local_ranks: Sequence[int], settle_s: float = 0.5) -> None:
+        """Have these workers write every thread's Python stack to their logs, then
+        give the output `settle_s` to arrive. Only for workers that ran er.init (it
+        registers the handler; without one the signal would end the process)."""
+        for local in local_ranks:
+            process = self._workers[local].process
+            if process.poll() is None:
+                os.kill(process.pid, STACKS_SIGNAL)  # the worker alone: not its children
+        time.sleep(settle_s)
 
     def signal_all(self, signum: int) -> None:
         for worker in self._workers:

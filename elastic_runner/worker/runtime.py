@@ -30,14 +30,16 @@ a process is readable by its user's other processes and ends up in crash dumps.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from elastic_runner.contract import EXIT_FOR_RESIZE, ProgressWriter, WorkerEnv
+from elastic_runner.contract import EXIT_FOR_RESIZE, STACKS_SIGNAL, ProgressWriter, WorkerEnv
 from elastic_runner.reform import STANDBY_ROUND
 from elastic_runner.worker import formation, quick_exit
 from elastic_runner.worker.abort import capturing_sockets, survive_nccl_errors
@@ -162,6 +164,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
         survive_nccl_errors()
     if job.quick_exit:
         quick_exit.enable()
+    if job.reform_dir:  # the agent may ask where a worker that did not pause is held
+        _dump_stacks_on(STACKS_SIGNAL)
     _report_our_errors_in_one_line()  # before the group: its forming can fail (a lost member)
     if dist.is_initialized():
         _warn_on_hand_typed_ranks(dist.get_rank(), dist.get_world_size(), context)
@@ -179,6 +183,14 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
                  context.world_size, context.local_rank, device, context.round,
                  context.restart_count)
     return context
+
+
+def _dump_stacks_on(signum: int) -> None:
+    """faulthandler writes every thread's stack on `signum`; a handler the script had
+    still runs after it, but the default action (end the process) does not."""
+    previous = signal.getsignal(signum)
+    faulthandler.register(signum, all_threads=True,
+                          chain=previous not in (signal.SIG_DFL, signal.SIG_IGN, None))
 
 
 def group_timeout_s(job: WorkerEnv) -> float:

@@ -188,6 +188,9 @@ class FakeGroup(ExitQueries):
         deadline = time.monotonic() + timeout_s
         return all(w.done.wait(max(0.0, deadline - time.monotonic())) for w in self.workers)
 
+    def dump_stacks(self, local_ranks) -> None:
+        self.journal.append(f"stacks of round-{self.round} local ranks {list(local_ranks)}")
+
     def signal_all(self, signum: int) -> None:
         self.journal.append(f"signal round-{self.round} workers")
         self._end()

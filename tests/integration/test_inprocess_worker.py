@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.contract import EXIT_FOR_RESIZE, PLACEMENT_FIELDS, WorkerEnv, variable
+from elastic_runner.contract import (
+    EXIT_FOR_RESIZE, PLACEMENT_FIELDS, STACKS_SIGNAL, WorkerEnv, variable,
+)
 from elastic_runner.etcd.server import free_port
 from elastic_runner.reform import (
     ASKED, COLLECTIVE_ERROR, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, Assignment, ReformChannel,
@@ -491,3 +493,19 @@ def test_a_script_without_a_sampler_pauses_at_its_own_commit(cluster_of):
     assert_consistent(cluster, {0: 2, 1: 2})
     assert pids_by_round(cluster)[1] == {first.proc.pid, second.proc.pid}
 
+
+
+def test_a_worker_asked_for_its_stacks_writes_them_to_its_log_and_trains_on(cluster_of):
+    """What the agent sends a worker that did not pause in time, before stopping it: the
+    stack of every thread goes to the worker's log (er.init registered the handler),
+    and the signal alone ends nothing."""
+    cluster = cluster_of(1)
+    (node,) = cluster.nodes
+    node.start(cluster, 0, 1, free_port(), 0, "--hold-at", str(HOLD))
+    cluster.wait_held([node])
+    os.kill(node.proc.pid, STACKS_SIGNAL)
+    cluster.wait(lambda: "Current thread" in node.output(), "a stack dump in the log")
+    assert f'File "{SCRIPT}"' in node.output()
+    cluster.go.touch()
+    assert cluster.exit_codes([node]) == [0]
+    assert max(r["step"] for r in cluster.rows("step")) == LAST_STEP

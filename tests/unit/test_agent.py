@@ -182,6 +182,9 @@ class FakeWorkers(ExitQueries):
                 WorkerExit(r.rank, r.local_rank, self._codes[r.rank], next(self._clock), [], None)
                 for r in self._ranks]
 
+    def dump_stacks(self, local_ranks) -> None:  # never capable: no in-place fallback
+        self._journal.append(f"stacks of {list(local_ranks)}")
+
     def signal_all(self, signum: int) -> None:
         self._journal.append(f"signal {signal.Signals(signum).name}")
         self._exit_running(-signum, "signalled")

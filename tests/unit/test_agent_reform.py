@@ -223,15 +223,16 @@ def _report_training(node: Node, local_rank: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("why, behaviour, script", [
-    ("did not pause within 0.3 s", Behaviour(never_pauses=(1,)), LOST_X),
+@pytest.mark.parametrize("why, behaviour, script, stacks", [
+    ("did not pause within 0.3 s", Behaviour(never_pauses=(1,)), LOST_X,
+     ["stacks of round-0 local ranks [1]"]),
     ("could not re-form: could not create the process group",
-     Behaviour(fail_on_assignment=True), LOST_X),
+     Behaviour(fail_on_assignment=True), LOST_X, []),
     ("round 1 gives this node 1 workers, it runs 2", Behaviour(),
-     [members(("x", 2), (NODE, 2)), members((NODE, 1))]),
+     [members(("x", 2), (NODE, 2)), members((NODE, 1))], []),
 ])
 def test_a_failed_re_formation_falls_back_to_the_restart_path_once(tmp_path, monkeypatch, why,
-                                                                   behaviour, script):
+                                                                   behaviour, script, stacks):
     # The pause bound is never below one collective timeout (10 s here): shorten both.
     monkeypatch.setattr(reform_driver.ReformBounds, "from_config", classmethod(
         lambda cls, config: cls(pause_s=0.3, form_s=10.0, leave_s=0.3)))
@@ -243,6 +244,9 @@ def test_a_failed_re_formation_falls_back_to_the_restart_path_once(tmp_path, mon
     assert len(fallbacks) == 1 and fallbacks[0]["round"] == 0
     assert why in fallbacks[0]["reason"]
     assert "stop round-0 workers" in node.journal
+    # A worker that did not pause writes its stacks to its log before it is stopped.
+    stop = node.journal.index("stop round-0 workers")
+    assert [e for e in node.journal[:stop] if e.startswith("stacks")] == stacks
     assert [g.round for g in node.groups] == [0, 1]  # round 1 with fresh processes
     assert [e["round"] for e in node.kinds("workers_started")] == [0, 1]
     assert node.journal[-2:] == ["finish round 1", "leave"]
