@@ -57,7 +57,7 @@ def entry() -> None:
     its final error and not exit for 90 s. A finished node must end however a
     library's finalisers behave, so nothing after this point is left to them. An
     internal error keeps its traceback and exit code 1 (the README's exit codes);
-    argparse's own exit (usage, --help) comes before any client exists and is left be."""
+    argparse's own exit (usage, --help) comes before any client exists and is left alone."""
     try:
         code = main()
     except Exception:  # noqa: BLE001 - a bug: say where, then end like any other exit
