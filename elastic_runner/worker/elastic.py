@@ -210,7 +210,7 @@ class Reformer:
         log.warning("round %d ends for rank %d after step %d (%s); re-forming in place",
                     self.context.round, self.context.rank, self.state.step, reason)
         self._refuse_sharded(reason)
-        self._leave_group()
+        self._leave_group(cut=reason.startswith(COLLECTIVE_ERROR))
         self._report(PAUSED, reason)
         self._take_place(self._leave_job)
         self._report(TRAINING)
@@ -242,9 +242,10 @@ class Reformer:
             self._report(FAILED, str(error))
             raise
 
-    def _leave_group(self) -> None:
+    def _leave_group(self, cut: bool = False) -> None:
+        """`cut`: the round broke under this rank; its peers must not wait on it."""
         self.context.boundary.abandon()
-        leave_process_group(log)  # NCCL: abort the communicators, never wait on a dead peer
+        leave_process_group(log, cut)  # NCCL: abort the communicators, never wait on a dead peer
         # The last call's objects (a DDP and its autograd hooks on the parameters) and
         # the group just left, if they are garbage in a cycle, must go before the next
         # call builds their successors: a group kept alive keeps its sockets open, and
