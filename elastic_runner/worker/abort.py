@@ -55,7 +55,10 @@ def leave_process_group(logger: logging.Logger, cut: bool = False) -> None:
     if not dist.is_available():
         return
     if cut:
-        group_sockets.cut()
+        try:
+            group_sockets.cut()
+        except OSError as error:  # then a peer waits its timeout, as without the cut
+            logger.debug("cutting the left group's connections: %s", error)
     if dist.is_initialized():
         if "nccl" in _backend_name(dist, logger):
             _abort(dist, logger)
