@@ -127,7 +127,6 @@ def test_a_deputy_slot_refused_for_an_expired_lease_registers_again(node):
     assert late.rdzv.deputies.holds(late.rdzv.lease.id)
 
 
-
 def test_a_lease_found_gone_is_reported_to_a_caller_that_must_not_register_yet(node):
     """An agent whose workers still sit in their round asks with rejoin=False: the
     lease found gone raises LeaseLost and nothing is written; asked again (its
@@ -148,6 +147,7 @@ def test_a_lease_found_gone_is_reported_to_a_caller_that_must_not_register_yet(n
     again = thawed.rdzv.next_plan(plan, p.Cause(p.CauseKind.LEASE_EXPIRED))
     assert set(again.node_ids) == {"a0", "a1"} and thawed.rdzv.lease.id != stale
     assert wait_for_agreement([stays], 2).round == again.round
+
 
 class PlanReads:
     """The client of one agent, counting its reads of whole plans."""

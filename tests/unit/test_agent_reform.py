@@ -157,36 +157,22 @@ def test_workers_that_pause_at_the_boundary_are_not_cut_for_a_member_that_left(t
     assert len(node.groups) == 1 and not node.kinds("reform_fallback")
 
 
-def test_a_node_back_from_a_freeze_rejoins_only_once_its_workers_left_their_round(tmp_path):
+@pytest.mark.parametrize("seen_first", [CauseKind.LEASE_EXPIRED, CauseKind.NEWCOMER],
+                         ids=["its-lease-expired", "a-stale-newcomer"])
+def test_a_node_back_from_a_freeze_rejoins_only_once_its_workers_left_their_round(
+        tmp_path, seen_first):
     """Its lease expired while it was frozen; the others re-formed without it. Its
     workers are asked out of their round at once (cut), and the node joins the next
     round only when both have paused: joining first would make the others pause for
-    a round these workers cannot form yet (a chaos soak: 6 s with three nodes paused)."""
+    a round these workers cannot form yet (chaos soaks: 6 s with three nodes paused).
+    `a-stale-newcomer`: its monitor first saw a newcomer the others took in meanwhile,
+    and next_plan found the lease gone (LeaseLost); registered at once, it held the
+    others 15.6 s."""
     rejoined = [members(("x", 2), (NODE, 2)), members(("x", 2), (NODE, 2))]
     node = Node(tmp_path, rejoined, Behaviour(held_in_collective=(0, 1), pause_delay_s=0.5))
-    node.rendezvous.change = Cause(CauseKind.LEASE_EXPIRED)
-    node.rendezvous.change_when = lambda: node.channel_shows(TRAINING, 0)
-    paused_when_joining = []
-    node.rendezvous.on_next_plan = lambda number: paused_when_joining.append(
-        (number, node.channel_shows(PAUSED, 0)))
-    assert node.run() == 0
-    assert paused_when_joining == [(0, False), (1, True)]
-    assert node.rendezvous.causes[1].kind is CauseKind.LEASE_EXPIRED
-    assert len(node.groups) == 1 and not node.kinds("reform_fallback")
-    assert [a.round for w in node.groups[0].workers for a in w.assignments] == [1, 1]
+    node.rendezvous.change = Cause(seen_first)
 
-
-
-def test_a_thawed_node_that_first_sees_a_stale_newcomer_still_rejoins_once_paused(tmp_path):
-    """Back from a freeze, its monitor saw a newcomer the others took in meanwhile
-    before the keep-alive found the lease gone; next_plan finds it (LeaseLost) and the
-    workers leave their round before the node registers again, as for a lease seen to
-    expire (a chaos soak: registered at once, it held the others 15.6 s)."""
-    rejoined = [members(("x", 2), (NODE, 2)), members(("x", 2), (NODE, 2))]
-    node = Node(tmp_path, rejoined, Behaviour(held_in_collective=(0, 1), pause_delay_s=0.5))
-    node.rendezvous.change = Cause(CauseKind.NEWCOMER)
-
-    def thawed() -> bool:  # the stale newcomer shows, and the lease is gone by then
+    def thawed() -> bool:  # the change shows, and the lease is gone by then
         node.rendezvous.lease_gone = node.channel_shows(TRAINING, 0)
         return node.rendezvous.lease_gone
     node.rendezvous.change_when = thawed
@@ -194,11 +180,12 @@ def test_a_thawed_node_that_first_sees_a_stale_newcomer_still_rejoins_once_pause
     node.rendezvous.on_next_plan = lambda number: paused_when_joining.append(
         (number, node.channel_shows(PAUSED, 0)))
     assert node.run() == 0
-    assert "lease lost" in node.journal
+    assert ("lease lost" in node.journal) == (seen_first is CauseKind.NEWCOMER)
     assert paused_when_joining == [(0, False), (1, True)]
     assert node.rendezvous.causes[1].kind is CauseKind.LEASE_EXPIRED
     assert len(node.groups) == 1 and not node.kinds("reform_fallback")
     assert [a.round for w in node.groups[0].workers for a in w.assignments] == [1, 1]
+
 
 # ---- the restart path -------------------------------------------------------------
 @pytest.mark.parametrize("half_formed", [False, True], ids=["plain-script", "half-formed"])
