@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -224,6 +225,15 @@ def test_keep_alives_share_one_stream_that_survives_a_server_restart_and_a_freez
     assert client.refresh_lease(lease, deadline_s=10.0) > 0  # the old stream died with etcd
     assert client.refresh_lease(lease, deadline_s=10.0) > 0
     assert long_lived() == 2 and len(one_shot) <= 1
+    # Settle the stream: an ask after the restart may have given up (to its one-shot)
+    # and its late answer be kept, which the frozen ask below would then rightly use
+    # instead of a one-shot (a fresh clone met that). Once every ask has its answer,
+    # one more refresh takes whatever was kept.
+    stream, settled_by = client._keepalive._stream, time.monotonic() + 10.0
+    while stream._answered.get(lease, 0) < stream._asked.get(lease, 0):
+        assert time.monotonic() < settled_by, "the stream never answered every ask"
+        time.sleep(0.05)
+    assert client.refresh_lease(lease, deadline_s=10.0) > 0
 
     before = len(one_shot)
     etcd_any_version.pause()
