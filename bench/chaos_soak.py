@@ -136,7 +136,7 @@ def effective_rows(trace: list[dict]) -> tuple[list[dict], list[dict], list[dict
     where present, those of that round count, since a rank that lost its peer after
     the step's last all-reduce reached the others never logs the step, yet the
     ranks that completed it applied its gradients."""
-    rows = [r for r in trace if "began" not in r]
+    rows = [r for r in trace if "began" not in r and "booted" not in r]
     last_round: dict[int, int] = {}
     for row in rows:
         last_round[row["step"]] = max(last_round.get(row["step"], -1), row["round"])

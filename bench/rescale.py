@@ -51,6 +51,8 @@ VARIANTS = {
     # Issue 15: the same workload written with er.State + @er.elastic.
     "er-inproc": ("elastic-run in-process (er.elastic)", "elastic-run", {},
                   ("--ckpt", "er-inproc")),
+    "er-inproc+defer": ("elastic-run in-process, er.init(defer_group=True)", "elastic-run", {},
+                        ("--ckpt", "er-inproc", "--defer-group")),
     "er-inproc+prewarm": ("elastic-run in-process + --prewarm", "elastic-run",
                           {"ELASTIC_RUN_PREWARM": "1"}, ("--ckpt", "er-inproc")),
     "tr": ("torchrun c10d (default)", "torchrun", {}, ()),

@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--ckpt", choices=("plain", "er", "er-cadence", "er-sampler", "er-inproc"),
                     default="plain")
+    ap.add_argument("--defer-group", action="store_true",
+                    help="er-inproc: er.init(defer_group=True), the group formed at train()")
     args = ap.parse_args()
 
     rank = int(os.environ.get("RANK", "0"))
@@ -58,7 +60,7 @@ def main() -> None:
     ckpt = None
     if args.ckpt != "plain":
         import elastic_runner as er
-        er.init(timeout_s=60)
+        er.init(timeout_s=60, defer_group=args.defer_group)
     else:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     t_pg = time.time()

@@ -101,6 +101,11 @@ class GroupFormationError(ElasticRunError):
     rank 0's store failed."""
 
 
+class NoPlaceYet(ElasticRunError):
+    """A worker without a place in the run (started on standby, or its group deferred
+    by er.init(defer_group=True)) began to train outside its @er.elastic function."""
+
+
 class ShutdownRequested(ElasticRunError):
     """SIGTERM/SIGINT reached the agent; not a failure of the job."""
 

@@ -30,6 +30,12 @@ function (import torch, build the model, restore) with no place yet, report
 `STANDBY` for round `STANDBY_ROUND`, and wait for an Assignment like a paused worker.
 Only then does the node join, so the others pause for the process group and the state
 transfer only, never for a Python start.
+
+A worker whose script called `er.init(defer_group=True)` takes the same road while its
+node is already a member: `er.init()` forms no group and reports `DEFERRED` for
+`STANDBY_ROUND` (it will wait for a place, so the agent may follow membership changes
+instead of restarting it), then `STANDBY` once it reaches its training function; the
+agent gives it its place in the round current then (agent/deferred.py).
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ TRAINING = "training"  # in round `round`'s process group
 PAUSED = "paused"  # left round `round`'s process group, waiting for an Assignment
 FAILED = "failed"  # could not re-form; about to exit
 STANDBY = "standby"  # started before its node joined: ready, waiting for a first place
-PHASES = (TRAINING, PAUSED, FAILED, STANDBY)
+DEFERRED = "deferred"  # er.init(defer_group=True): no group yet, STANDBY once ready
+PHASES = (TRAINING, PAUSED, FAILED, STANDBY, DEFERRED)
 STANDBY_ROUND = -1  # the round a standby worker reports (any real round is later)
 
 ASKED = "asked"  # PAUSED because the agent asked (ask_pause)

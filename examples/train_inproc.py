@@ -8,7 +8,10 @@ again. Only the first start of the job, and the loss of every copy, read a check
 
     elastic-run --min-nodes 1 --max-nodes 4 examples/train_inproc.py --steps 300
 
-With --trace FILE every rank appends two JSON lines per step. Before its first
+With --defer-group (er.init(defer_group=True)) the process group forms when train() is
+first called, with the ranks current then: nodes that join or leave while the workers
+start cost them nothing. With --trace FILE every worker first appends a "booted" line,
+then every rank two JSON lines per step. Before its first
 collective: the indices it is about to contribute ("began"). After the step: the same
 with its pid, world size, round, and a checksum of the parameters (all ranks must agree
 on it at every step; the in-process tests check exactly that). Why both: a rank whose
@@ -42,6 +45,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=100, help="durable checkpoint cadence (steps)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step")
     parser.add_argument("--trace", help="append one JSON line per step (indices, checksum)")
+    parser.add_argument("--defer-group", action="store_true",
+                        help="er.init(defer_group=True): the group forms when train() is "
+                             "first called, so changes while the workers start cost nothing")
+    parser.add_argument("--boot-delay", type=float, default=0.0,
+                        help="sleep before train(), as a model that takes long to build")
     return parser.parse_args()
 
 
@@ -52,7 +60,7 @@ def checksum(model: torch.nn.Module) -> float:
 
 def main() -> None:
     args = parse_args()
-    er.init()
+    er.init(defer_group=args.defer_group)
     inputs, targets = synthetic_dataset(args.samples, args.dim)
     model = build_model(args.dim)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -61,6 +69,9 @@ def main() -> None:
     ckpt = er.Checkpointer(args.checkpoint_dir, keep=3, every=args.every)
     state.restore(ckpt)
     trace = open(args.trace, "a", buffering=1) if args.trace else None
+    if trace:  # up to here, the script is "starting"
+        trace.write(json.dumps({"booted": os.getpid(), "round": er.current().round}) + "\n")
+    time.sleep(args.boot_delay)
 
     @er.elastic(state)
     def train(state):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_runner import contract, reform
-from elastic_runner.agent import drain
+from elastic_runner.agent import deferred, drain
 from elastic_runner.agent.cloud_notice import CloudNoticeWatcher
 from elastic_runner.agent.etcd_outage import check_grace, wait_for_etcd
 from elastic_runner.agent.ports import NoticeWatcher, Rendezvous, StartWorkers, Workers
@@ -58,7 +58,9 @@ SUCCEEDED, FAILED, CHANGED, SHUTDOWN, NOTICE = "succeeded", "failed", "changed",
     "notice"
 # REFORM: the plan changed and the workers can re-form in place. GONE: they could not
 # (they were stopped, or left a round without this node); the restart path goes on.
-REFORM, GONE = "reform", "gone"
+# FOLLOW: the plan changed while the workers have no group yet (agent/deferred.py);
+# PLACE: they are ready for their places.
+REFORM, GONE, FOLLOW, PLACE = "reform", "gone", "follow", "place"
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class Agent:
         self._signal: int | None = None
         self._signal_relay: SignalRelay | None = None
         self._signal_seen = threading.Event()
-        channel = reform.ReformChannel(Path(self._job.reform_dir))
+        self._channel = channel = reform.ReformChannel(Path(self._job.reform_dir))
         self._reform = InProcessReform(ReformContext(
             channel, rendezvous, self.events, config.rendezvous.node_id,
             ReformBounds.from_config(config), self._signal_seen, config.workers.stop_grace_s,
@@ -240,12 +242,32 @@ class Agent:
         while True:
             outcome = self._monitor(group, self._plan)
             self._paused_at = time.monotonic()
-            if outcome.kind != REFORM:
+            if outcome.kind == PLACE:
+                if not self._reform.place(group, self._plan, deferred=True):
+                    return Outcome(GONE, Cause(CauseKind.OTHER, "workers without a place"))
+                continue
+            if outcome.kind not in (REFORM, FOLLOW):
                 return outcome
-            reformed = self._reform.run(group, self._plan, outcome.reason, self._paused_at)
-            if reformed is None:
+            if outcome.kind == FOLLOW:
+                moved = self._follow(group, outcome.reason)
+            else:
+                moved = self._reform.run(group, self._plan, outcome.reason, self._paused_at)
+            if moved is None:
                 return Outcome(GONE, outcome.reason)
-            self._plan = reformed
+            self._plan = moved
+
+    def _follow(self, group: Workers, cause: Cause) -> Plan | None:
+        """The next round, joined while the workers have no group (deferred.py); None,
+        the workers stopped, when this node is not in it."""
+        try:
+            moved = deferred.follow(self.rendezvous, self.events, self._rdzv_config.node_id,
+                                    self._plan, cause)
+        except BaseException:
+            group.stop(self._config.workers.stop_grace_s)
+            raise
+        if moved is None:
+            group.stop(self._config.workers.stop_grace_s)
+        return moved
 
     def _leave(self, outcome: Outcome, group: Workers, plan: Plan) -> int:
         if outcome.kind == SHUTDOWN:
@@ -340,14 +362,24 @@ class Agent:
             if capable and self._prewarm:  # workers kept through resizes need no successor
                 self._prewarm.close()
                 self._prewarm = None
+            waiting = None if capable else self._waiting_for_place(group, plan)
             if reason is not None:
-                return Outcome(REFORM if capable else CHANGED, reason)
+                return Outcome(REFORM if capable else FOLLOW if waiting else CHANGED, reason)
+            if waiting == deferred.READY:
+                return Outcome(PLACE)
             if capable:  # their own pause, or a peer's notice, starts a re-formation
                 reason = self._reform.trigger(plan, leaving)
                 if reason is not None:
                     return Outcome(REFORM, reason)
             self._relay_notices(leaving)
             self.rendezvous.wait_for_change(self._config.workers.monitor_interval_s, marker)
+
+    def _waiting_for_place(self, group: Workers, plan: Plan) -> str | None:
+        """deferred.WAITING or READY: the workers' group waits for their places."""
+        waiting = deferred.waiting_for_place(self._channel.states(), len(group.pids))
+        if waiting is not None:
+            self._reform.mark_run(plan.round)
+        return waiting
 
     def _hung_worker(self, group: Workers) -> WorkerExit | None:
         timeout = self._config.workers.worker_timeout_s

@@ -28,17 +28,14 @@ The sequence (`InProcessReform.run`), for round r:
 4. write each worker its place in the new round (same local rank, new global rank),
    or, when this node is not in it, `leave` and wait for them to exit;
 5. wait until every worker reported TRAINING for the new round: at most `form_s`.
-   Meanwhile the rendezvous is watched: a member of the new round lost before its
-   group formed calls the round off (`forming_watch`, round_watch.py): the workers
-   stop forming it and report PAUSED in it, and the next re-formation starts from
-   there at once instead of after the formation timeout. The pause of step 3 is
-   watched the same way (`pausing_watch`): a member of the new round lost while the
-   workers wait for their step boundary gets the round cut.
+   A member of the new round lost before its group formed calls the round off
+   (`forming_watch`, round_watch.py): the workers stop forming it and report PAUSED
+   in it, and the next re-formation starts from there at once. The pause of step 3
+   is watched the same way (`pausing_watch`): a member lost gets the round cut.
 Anything that goes wrong on the way (a worker FAILED or exited, a bound passed, this
 node's worker count changed) ends in the fallback: the workers are stopped and the
-agent takes the restart path for that round, with one log line and one
-`reform_fallback` event. A signal, an etcd outage or the end of the run raised by
-the rendezvous stops the workers and goes on up, as on the restart path.
+agent takes the restart path for that round, with one line and one `reform_fallback`
+event. A signal, an etcd outage or the end of the run stops the workers and goes on up.
 """
 
 from __future__ import annotations
@@ -67,21 +64,18 @@ log = logging.getLogger("elastic_runner")
 # parse per worker, and every millisecond here is a millisecond of paused training.
 POLL_S = 0.005
 # Causes that leave the round's group unable to finish a collective: the workers are
-# told to cut it (worker/broken_round.py) rather than wait for a step boundary. This
-# node's own lease expired (it froze past the lease): the others have re-formed without
-# it, so its workers' collective in flight can never complete (seen in a chaos soak: a
-# thawed node's workers sat out the 12 s collective timeout while the others waited for
-# them to form the round it rejoined, 24 s without a step).
+# told to cut it (worker/broken_round.py) rather than wait for a step boundary. Our own
+# lease expired (a freeze): the others re-formed without us, so our collective in flight
+# never completes (a chaos soak: a thawed node's workers sat out the 12 s collective
+# timeout while the others waited for them, 24 s without a step).
 BROKEN_BY = frozenset({CauseKind.MEMBER_LOST, CauseKind.MEMBER_SUSPECTED,
                        CauseKind.LEASE_EXPIRED})
 
 
 class ReformFallback(Exception):
-    """A step of the re-formation failed; the restart path takes this round. `stuck`:
-    local ranks that did not pause in time (their stacks go to their logs first).
-
-    Internal: caught by `InProcessReform.run`, never shown to a user as an error.
-    """
+    """A step of the re-formation failed; the restart path takes this round (internal:
+    caught by `InProcessReform.run`). `stuck`: local ranks that did not pause in time
+    (their stacks go to their logs first)."""
 
     def __init__(self, why: str, stuck: tuple[int, ...] = ()):
         super().__init__(why)
@@ -176,7 +170,10 @@ class InProcessReform:
 
     def _became_capable(self, round_number: int) -> None:
         self._capable_round = round_number
-        if not self._marked:  # newcomers then start their workers before joining
+        self.mark_run(round_number)
+
+    def mark_run(self, round_number: int) -> None:  # newcomers then start workers first
+        if not self._marked:
             self._ctx.rendezvous.mark_in_place(round_number)
             self._marked = True
 
@@ -330,29 +327,33 @@ class InProcessReform:
         return LossWatch(self._ctx.rendezvous, self._ctx.node_id, new,
                          lambda cause: _holds_round(cause, plan), cut, notices=False)
 
-    def forming_watch(self, new: Plan) -> LossWatch:
+    def forming_watch(self, new: Plan, newcomers: bool = False) -> LossWatch:
         """Calls round `new` off once one of its members is gone before its group
         formed (round_watch.py): the workers stop forming it and report PAUSED in
-        it, and the monitor re-forms from there as after any pause."""
+        it, and the monitor re-forms from there as after any pause. `newcomers`: a
+        newcomer calls it off too (deferred first groups: agent/deferred.py)."""
         def call_off(cause: Cause) -> None:
             log.warning("round %d lost a member before its group formed (%s); asking the "
                         "workers to stop forming it", new.round, cause.text())
             self._ctx.channel.ask_pause(new.round)
-        # A newcomer is no reason: the group forms, and takes it in afterwards.
+        # A newcomer is no reason where every member is ready: the group forms, and
+        # takes it in afterwards.
         return LossWatch(self._ctx.rendezvous, self._ctx.node_id, new,
-                         lambda cause: cause.kind is not CauseKind.NEWCOMER, call_off,
-                         notices=True)
+                         lambda cause: newcomers or cause.kind is not CauseKind.NEWCOMER,
+                         call_off, notices=True)
 
-    def place(self, group: Workers, plan: Plan) -> bool:
-        """Give standby workers (standby.py) their places in `plan`; False when they
-        could not take them (then they were stopped, with one line and one event)."""
+    def place(self, group: Workers, plan: Plan, deferred: bool = False) -> bool:
+        """Give standby workers (standby.py), or workers whose group er.init() deferred
+        (`deferred`, agent/deferred.py), their places in `plan`; False when they could
+        not take them (then they were stopped, with one line and one event)."""
         ok, _ = self._attempt(
-            group, lambda: self._take_places(group, plan, "exited on standby"), plan.round,
-            "standby_fallback", "the standby workers could not take their places in round %d "
-            "(%s); starting fresh workers")
+            group, lambda: self._take_places(group, plan, "exited on standby", deferred),
+            plan.round, "standby_fallback", "the standby workers could not take their places "
+            "in round %d (%s); starting fresh workers")
         return ok
 
-    def _take_places(self, group: Workers, new: Plan, exited: str) -> None:
+    def _take_places(self, group: Workers, new: Plan, exited: str,
+                     deferred: bool = False) -> None:
         """Assign every worker its place in `new`; wait until all trained in it."""
         ranks = assign_ranks(new, self._ctx.node_id)
         gone = [exit.local_rank for exit in group.poll() if exit is not None]
@@ -362,7 +363,7 @@ class InProcessReform:
                 f"round {new.round} gives this node {len(ranks)} workers, it runs "
                 f"{len(group.pids)}")
         self._assign(group, new)
-        watch = self.forming_watch(new)
+        watch = self.forming_watch(new, newcomers=deferred)
         self._wait(lambda: watch.check(self._not_formed(group, new.round)),
                    self._ctx.bounds.form_s, "re-form")
         if watch.seen is not None:

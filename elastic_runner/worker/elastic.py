@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from elastic_runner.contract import WorkerEnv, variable
-from elastic_runner.errors import StaleWriterError
+from elastic_runner.errors import NoPlaceYet, StaleWriterError
 from elastic_runner.reform import (
     ASKED, COLLECTIVE_ERROR, FAILED, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, Assignment,
     ReformChannel, WorkerState,
@@ -145,7 +145,13 @@ def _run(state: State, call: Callable[[], Any]) -> Any:
 def _keep_restart_path(channel: ReformChannel, job: WorkerEnv, why: str) -> None:
     """Say why this worker cannot re-form in place. A standby worker has no place
     to train in without it: it reports FAILED and exits (its agent then starts a
-    fresh worker once its round closes)."""
+    fresh worker once its round closes). A worker whose group er.init() deferred
+    has none either, and a fresh one would defer it again: that is the script's
+    mistake, told in one line (NoPlaceYet)."""
+    context = runtime.current()
+    if not job.standby and context is not None and context.round == STANDBY_ROUND:
+        raise NoPlaceYet(f"er.init(defer_group=True) leaves the process group to "
+                         f"@er.elastic, but {why}: drop defer_group=True")
     if not job.standby:
         log.warning("er.elastic: %s; this worker keeps the restart path", why)
         return
@@ -165,6 +171,9 @@ class Reformer:
                                      else assignment_timeout_s)
         self._failed_at: tuple[int, int] = (-2, 0)  # (step, consecutive failures there)
         self._frozen = False  # gc.freeze() done (_freeze_survivors)
+        # er.init(defer_group=True) on a member node: its first group waits for every
+        # member's script to reach its training function, not for paused peers.
+        self._deferred = context.round == STANDBY_ROUND and not job.standby
 
     def run(self, call: Callable[[], Any]) -> Any:
         if self.context.round == STANDBY_ROUND:
@@ -302,7 +311,7 @@ class Reformer:
         import torch.distributed as dist
 
         _export(assignment)
-        timeout_s = _formation_timeout_s(self.job)
+        timeout_s = self._formation_timeout_s()
         try:
             store = formation.meet(
                 formation.Place(assignment.round, assignment.rank, assignment.world_size,
@@ -339,6 +348,15 @@ class Reformer:
         log.warning("re-formed in place: rank %d of %d in round %d", assignment.rank,
                     assignment.world_size, assignment.round)
         return True
+
+    def _formation_timeout_s(self) -> float:
+        """How long to wait for the round's group. A deferred first group waits as
+        long as er.init() would have (the collective timeout): the other members may
+        still be building their models, where a re-formed round's members are all
+        paused and ready within moments (the launcher's shorter formation timeout)."""
+        if self._deferred and self.context.round == STANDBY_ROUND:
+            return runtime.group_timeout_s(self.job)
+        return _formation_timeout_s(self.job)
 
     def _called_off_before_forming(self, assignment: Assignment) -> bool:
         """Paused in that round, as a worker that trained in it would be; False."""

@@ -35,12 +35,12 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from elastic_runner.contract import EXIT_FOR_RESIZE, STACKS_SIGNAL, ProgressWriter, WorkerEnv
-from elastic_runner.reform import STANDBY_ROUND
+from elastic_runner.reform import DEFERRED, STANDBY_ROUND, ReformChannel, WorkerState
 from elastic_runner.worker import formation, quick_exit
 from elastic_runner.worker.abort import capturing_sockets, survive_nccl_errors
 from elastic_runner.worker.step_boundary import ReformRequested, StepBoundary
@@ -136,7 +136,8 @@ def _etcd_options(job: WorkerEnv) -> dict[str, str]:
     return options
 
 
-def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
+def init(backend: str | None = None, timeout_s: float | None = None, *,
+         defer_group: bool = False) -> Context:
     """Join the process group the launcher prepared; bind this worker's GPU.
 
     The agent shows each worker only its own GPU (CUDA_VISIBLE_DEVICES), so the
@@ -144,6 +145,14 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
     `timeout_s` bounds forming the group and every collective in it; by default the
     launcher's ELASTIC_RUN_COLLECTIVE_TIMEOUT (a silent peer is given up on in time
     to re-form), else DEFAULT_TIMEOUT_S.
+
+    `defer_group`: for a script that trains under `@er.elastic`. Under elastic-run
+    the group then forms when the training function is first called, with the ranks
+    of the round current at that moment: nodes that join or leave while the workers
+    import torch, build the model and restore cost them nothing, where otherwise
+    every such change restarts them. Until then `ctx.rank` and `ctx.world_size` are
+    the launcher's first guess, and no collective may run (there is no group).
+    Ignored outside elastic-run.
     """
     import torch
     import torch.distributed as dist
@@ -167,7 +176,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
     if job.reform_dir:  # the agent may ask where a worker that did not pause is held
         _dump_stacks_on(STACKS_SIGNAL)
     _report_our_errors_in_one_line()  # before the group: its forming can fail (a lost member)
-    if dist.is_initialized():
+    if defer_group and job.reform_dir and not dist.is_initialized():
+        context = _deferred(context, job)
+    elif dist.is_initialized():
         _warn_on_hand_typed_ranks(dist.get_rank(), dist.get_world_size(), context)
     elif context.world_size > 1 or "MASTER_ADDR" in environ:
         with capturing_sockets(backend):
@@ -176,13 +187,24 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Context:
                                        under_elastic_run=bool(job.reform_dir))
     _active[:] = [context]
     if context.round == STANDBY_ROUND:
-        log.info("local rank %d on %s: standby, no place in the run yet (er.elastic waits "
-                 "for one)", context.local_rank, device)
+        log.info("local rank %d on %s: %s, no place in the run yet (er.elastic waits "
+                 "for one)", context.local_rank, device,
+                 "standby" if job.standby else "group deferred")
     else:
         log.info("rank %d/%d (local %d) on %s, round %d, restarts %d", context.rank,
                  context.world_size, context.local_rank, device, context.round,
                  context.restart_count)
     return context
+
+
+def _deferred(context: Context, job: WorkerEnv) -> Context:
+    """This worker's context without a place (er.elastic takes its first one, as a
+    standby worker's); the agent hears that it may follow membership changes."""
+    context.boundary.close()
+    deferred = replace(context, round=STANDBY_ROUND)
+    ReformChannel(Path(job.reform_dir)).report(job.local_rank, WorkerState(
+        round=STANDBY_ROUND, phase=DEFERRED, step=-1, pid=os.getpid()))
+    return deferred
 
 
 def _dump_stacks_on(signum: int) -> None:
@@ -263,10 +285,23 @@ def current() -> Context | None:
 
 def sampler_drives_boundaries() -> None:
     """An ElasticSampler starts a loop: this process's step boundaries are its, from the
-    first step of the round on (sampler.py says why that matters)."""
+    first step of the round on (sampler.py says why that matters).
+
+    Raises:
+        NoPlaceYet: this worker has no place yet (standby, or its group deferred):
+            only its @er.elastic function gets one, and training outside it would
+            train alone on a guessed rank's share of the data.
+    """
     context = current()
-    if context is not None:
-        context.boundary.active = True
+    if context is None:
+        return
+    if context.round == STANDBY_ROUND:
+        from elastic_runner.errors import NoPlaceYet
+
+        raise NoPlaceYet("this worker has no place in the run yet (er.init(defer_group=True), "
+                         "or started on standby), so it cannot train outside its "
+                         "@er.elastic function: start the sampler's loop inside it")
+    context.boundary.active = True
 
 
 def at_step_boundary(step: int, samples: int) -> None:

@@ -55,7 +55,7 @@ def rows(job: Job) -> list[dict]:
     for row in trace:
         if "began" in row:
             began[(row["began"], row["round"])].append(row["indices"])
-    steps = [row for row in trace if "began" not in row]
+    steps = [row for row in trace if "began" not in row and "booted" not in row]
     for row in steps:
         row["began_by_step"] = began.get((row["step"], row["round"]), [])
     return steps
@@ -202,6 +202,35 @@ def test_two_changes_in_quick_succession(inproc):
     check_consistency(trace)
     assert check_exactly_once(trace) == {}
     assert len(pids(trace)) == 4
+
+
+def test_a_loss_and_a_join_while_the_workers_start_restart_nobody(inproc):
+    """er.init(defer_group=True): the first group forms when train() is first called.
+
+    While the workers "build their model" (--boot-delay), c is SIGKILLed and d starts:
+    a and b follow c's loss into the next round without restarting their workers
+    (agent/deferred.py), take their places once ready, and take d in afterwards (d's
+    worker boots on standby: the run was marked at the workers' first report)."""
+    inproc.script_args = (*inproc.script_args, "--defer-group", "--boot-delay", "8")
+    inproc.start("a", "b", "c")
+    inproc.wait_for(lambda: len(_booted(inproc)) == 3, 60, "three workers to boot")
+    inproc.kill("c")
+    inproc.start("d")
+    wait_world(inproc, 3, new_pid=True)
+    assert finished(inproc, "a", "b", "d") == {"a": 0, "b": 0, "d": 0}
+    trace = rows(inproc)
+    check_consistency(trace)
+    assert check_exactly_once(trace) == {}  # nothing re-done: no step before c's loss
+    assert len(pids(trace)) == 3  # a's, b's and d's: nobody restarted, c never trained
+    assert pids(trace) <= {row["booted"] for row in _booted(inproc)}
+    for node in ("a", "b"):
+        log = inproc.agent_log(node)
+        assert "while the workers get ready" in log and "stopping workers" not in log
+    assert "standby workers ready" in inproc.agent_log("d")
+
+
+def _booted(job: Job) -> list[dict]:
+    return [row for row in read_jsonl(job.trace) if "booted" in row]
 
 
 def check_consistency_and_redone(trace: list[dict]) -> int:

@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from elastic_runner.agent.agent import Agent
 from elastic_runner.agent.workers import WorkerExit
@@ -23,7 +24,7 @@ from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, Wor
 from elastic_runner.contract import EXIT_FOR_RESIZE
 from elastic_runner.errors import LeaseLost
 from elastic_runner.reform import (
-    COLLECTIVE_ERROR, FAILED, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, Assignment,
+    COLLECTIVE_ERROR, DEFERRED, FAILED, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, Assignment,
     ReformChannel, WorkerState,
 )
 from elastic_runner.rendezvous.protocol import Cause, Member, Plan
@@ -62,6 +63,10 @@ class Behaviour:
     # Seconds a worker asked to pause takes before it reports PAUSED (a thawed worker
     # still in its old round's collective).
     pause_delay_s: float = 0.0
+    # er.init(defer_group=True): a worker started in a round reports DEFERRED, then
+    # STANDBY once `ready_when()` (its script reached the training function).
+    defers: bool = False
+    ready_when: Callable[[], bool] = lambda: True
 
 
 class FakeWorker(threading.Thread):
@@ -90,6 +95,11 @@ class FakeWorker(threading.Thread):
 
     def _live(self) -> int:
         b = self.behaviour
+        if b.defers and self.round != STANDBY_ROUND and not self.assignments:
+            self.round = STANDBY_ROUND  # no group: er.elastic takes its first place
+            self.report(DEFERRED)
+            if not self._wait(b.ready_when):
+                return -signal.SIGTERM
         if self.round == STANDBY_ROUND:
             if b.standby_exit is not None:
                 return b.standby_exit
