@@ -34,7 +34,7 @@ from elastic_runner.agent.etcd_outage import check_grace, wait_for_etcd
 from elastic_runner.agent.ports import NoticeWatcher, Rendezvous, StartWorkers, Workers
 from elastic_runner.agent.prewarm import WarmPool
 from elastic_runner.agent.reform_driver import (
-    InProcessReform, ReformBounds, ReformContext, round_fields,
+    InProcessReform, ReformBounds, ReformContext,
 )
 from elastic_runner.agent.scratch import create_scratch, remove_orphans
 from elastic_runner.agent.signal_relay import SignalRelay
@@ -57,9 +57,8 @@ log = logging.getLogger("elastic_runner")
 SUCCEEDED, FAILED, CHANGED, SHUTDOWN, NOTICE = "succeeded", "failed", "changed", "shutdown", \
     "notice"
 # REFORM: the plan changed and the workers can re-form in place. GONE: they could not
-# (they were stopped, or left a round without this node); the restart path goes on.
-# FOLLOW: the plan changed while the workers have no group yet (agent/deferred.py);
-# PLACE: they are ready for their places.
+# (stopped, or left a round without this node): the restart path goes on. FOLLOW, PLACE:
+# the plan changed while they have no group yet, or they are ready for one (deferred.py).
 REFORM, GONE, FOLLOW, PLACE = "reform", "gone", "follow", "place"
 
 
@@ -316,7 +315,7 @@ class Agent:
         problem = plan_problem(plan)
         if problem:
             raise RendezvousError(f"refusing to start workers on round {plan.round}: {problem}")
-        self.events.emit("round_closed", **round_fields(plan))
+        self.events.emit("round_closed", **plan.event_fields())
         standby, self._standby = self._standby, None
         if standby is not None and self._reform.place(standby, plan):
             self.events.emit("workers_started", round=plan.round, pids=standby.pids,

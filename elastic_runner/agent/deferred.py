@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 
 from elastic_runner.agent.ports import Rendezvous
-from elastic_runner.agent.reform_driver import round_fields
 from elastic_runner.events import EventLog
 from elastic_runner.reform import DEFERRED, STANDBY, STANDBY_ROUND, WorkerState
 from elastic_runner.rendezvous.protocol import Cause, Plan
@@ -63,7 +62,7 @@ def follow(rendezvous: Rendezvous, events: EventLog, node_id: str, plan: Plan,
         log.info("this node is not in round %d: stopping its workers before they took "
                  "a place", new.round)
         return None
-    events.emit("round_closed", **round_fields(new), inprocess=True, deferred=True)
+    events.emit("round_closed", **new.event_fields(), inprocess=True, deferred=True)
     log.info("round %d closed while the workers get ready (%s; world size %d -> %d): they "
              "take their places in it, no restart", new.round, cause.text(),
              plan.world_size, new.world_size)

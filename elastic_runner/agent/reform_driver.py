@@ -113,15 +113,6 @@ class ReformBounds:
                    leave_s=rdzv.drain_timeout_s)
 
 
-def round_fields(plan: Plan) -> dict:
-    """The fields of a `round_closed` event, on either path."""
-    return {"round": plan.round, "world_size": plan.world_size,
-            "master": f"{plan.master_addr}:{plan.master_port}", "cause": plan.cause,
-            "restart_count": plan.restart_count,
-            "members": [{"node": m.node_id, "node_rank": m.node_rank,
-                         "first_rank": m.first_rank, "nproc": m.nproc} for m in plan.members]}
-
-
 def _in_round(state: WorkerState | None, number: int, phases: tuple[str, ...]) -> bool:
     return state is not None and state.round == number and state.phase in phases
 
@@ -150,11 +141,13 @@ class InProcessReform:
         self._capable_round: int | None = None
         self._marked = False  # the run is marked as re-forming in place (once per agent)
         self._called_off_round = -1  # the last round called off before its group formed
+        self._first_group = False  # deferred workers that never formed a group yet
 
     def reset(self) -> None:
         """Fresh workers start (the restart path): forget every report."""
         self._ctx.channel.reset()
         self._capable_round = None
+        self._first_group = False
 
     def capable(self, plan: Plan, workers: int) -> bool:
         """Every local worker reported TRAINING for `plan`'s round (a later PAUSED for
@@ -331,7 +324,8 @@ class InProcessReform:
         """Calls round `new` off once one of its members is gone before its group
         formed (round_watch.py): the workers stop forming it and report PAUSED in
         it, and the monitor re-forms from there as after any pause. `newcomers`: a
-        newcomer calls it off too (deferred first groups: agent/deferred.py)."""
+        newcomer calls it off too (a first group of deferred workers, until it formed:
+        members still on their way follow the newcomer's round, agent/deferred.py)."""
         def call_off(cause: Cause) -> None:
             log.warning("round %d lost a member before its group formed (%s); asking the "
                         "workers to stop forming it", new.round, cause.text())
@@ -346,14 +340,14 @@ class InProcessReform:
         """Give standby workers (standby.py), or workers whose group er.init() deferred
         (`deferred`, agent/deferred.py), their places in `plan`; False when they could
         not take them (then they were stopped, with one line and one event)."""
+        self._first_group = deferred
         ok, _ = self._attempt(
-            group, lambda: self._take_places(group, plan, "exited on standby", deferred),
-            plan.round, "standby_fallback", "the standby workers could not take their places "
-            "in round %d (%s); starting fresh workers")
+            group, lambda: self._take_places(group, plan, "exited on standby"), plan.round,
+            "standby_fallback", "the standby workers could not take their places in round %d "
+            "(%s); starting fresh workers")
         return ok
 
-    def _take_places(self, group: Workers, new: Plan, exited: str,
-                     deferred: bool = False) -> None:
+    def _take_places(self, group: Workers, new: Plan, exited: str) -> None:
         """Assign every worker its place in `new`; wait until all trained in it."""
         ranks = assign_ranks(new, self._ctx.node_id)
         gone = [exit.local_rank for exit in group.poll() if exit is not None]
@@ -363,11 +357,12 @@ class InProcessReform:
                 f"round {new.round} gives this node {len(ranks)} workers, it runs "
                 f"{len(group.pids)}")
         self._assign(group, new)
-        watch = self.forming_watch(new, newcomers=deferred)
+        watch = self.forming_watch(new, newcomers=self._first_group)
         self._wait(lambda: watch.check(self._not_formed(group, new.round)),
                    self._ctx.bounds.form_s, "re-form")
         if watch.seen is not None:
             self._called_off_round = new.round
+        self._first_group = self._first_group and watch.seen is not None
         self._became_capable(new.round)
 
     def _assign(self, group: Workers, new: Plan) -> None:
@@ -384,14 +379,13 @@ class InProcessReform:
         group.reassign(new, self._ctx.node_id)
 
     def depart(self, group: Workers, plan: Plan, bound_s: float) -> None:
-        """This node leaves with notice; its workers could re-form in place, so the
-        others hold the same state and nothing needs saving.
+        """This node leaves with notice; the others hold the same state: nothing to save.
 
         Why leave the rendezvous first: the others' next round waits for every live
-        member of this one, and a worker's process takes a while to end (torch's
-        teardown). Our workers still stop at the boundary the job agrees on (the
-        notice marker), or, if the others' pause request is agreed first, take the
-        leave assignment written here; they are stopped past `bound_s`."""
+        member, and a worker's process takes a while to end (torch's teardown). Our
+        workers stop at the agreed boundary (the notice marker), or take the leave
+        assignment written here if the others' pause is agreed first; past `bound_s`
+        they are stopped."""
         started = time.monotonic()
         self._ctx.notice_path.touch()
         for local in range(len(group.pids)):
@@ -471,7 +465,7 @@ class InProcessReform:
         return left
 
     def _announce(self, old: Plan, new: Plan, pause_s: float) -> None:
-        self._ctx.events.emit("round_closed", **round_fields(new), inprocess=True)
+        self._ctx.events.emit("round_closed", **new.event_fields(), inprocess=True)
         self._ctx.events.emit("resize", round=new.round, old_world_size=old.world_size,
                               new_world_size=new.world_size, pause_s=round(pause_s, 3),
                               cause=new.cause, inprocess=True)

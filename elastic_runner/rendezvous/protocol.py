@@ -418,6 +418,14 @@ class Plan:
         return (f"round {self.round}: world size {self.world_size} on {len(self.members)} "
                 f"node(s) [{blocks}], master {self.master_addr}:{self.master_port}")
 
+    def event_fields(self) -> dict:
+        """The fields of a `round_closed` event, on every path (restart, in place, deferred)."""
+        return {"round": self.round, "world_size": self.world_size,
+                "master": f"{self.master_addr}:{self.master_port}", "cause": self.cause,
+                "restart_count": self.restart_count,
+                "members": [{"node": m.node_id, "node_rank": m.node_rank,
+                             "first_rank": m.first_rank, "nproc": m.nproc} for m in self.members]}
+
 
 def _columns(data: dict) -> MemberTable:
     """Format 2's members, checked first: a wrong plan could give two workers one rank."""

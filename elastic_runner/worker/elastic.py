@@ -171,9 +171,10 @@ class Reformer:
                                      else assignment_timeout_s)
         self._failed_at: tuple[int, int] = (-2, 0)  # (step, consecutive failures there)
         self._frozen = False  # gc.freeze() done (_freeze_survivors)
-        # er.init(defer_group=True) on a member node: its first group waits for every
-        # member's script to reach its training function, not for paused peers.
-        self._deferred = context.round == STANDBY_ROUND and not job.standby
+        # er.init(defer_group=True) on a member node: until its first group formed, a
+        # group waits for every member's script to reach its training function, not
+        # for paused peers.
+        self._first_group = context.round == STANDBY_ROUND and not job.standby
 
     def run(self, call: Callable[[], Any]) -> Any:
         if self.context.round == STANDBY_ROUND:
@@ -345,6 +346,7 @@ class Reformer:
         except Exception as error:  # noqa: BLE001 - every way of failing is told to the agent
             self._fail(f"cannot join round {assignment.round}: {error}".splitlines()[0])
         self._attach()
+        self._first_group = False
         log.warning("re-formed in place: rank %d of %d in round %d", assignment.rank,
                     assignment.world_size, assignment.round)
         return True
@@ -354,7 +356,7 @@ class Reformer:
         long as er.init() would have (the collective timeout): the other members may
         still be building their models, where a re-formed round's members are all
         paused and ready within moments (the launcher's shorter formation timeout)."""
-        if self._deferred and self.context.round == STANDBY_ROUND:
+        if self._first_group:
             return runtime.group_timeout_s(self.job)
         return _formation_timeout_s(self.job)
 
