@@ -100,11 +100,12 @@ class Agent:
         self._signal: int | None = None
         self._signal_relay: SignalRelay | None = None
         self._signal_seen = threading.Event()
-        self._channel = channel = reform.ReformChannel(Path(self._job.reform_dir))
+        channel = reform.ReformChannel(Path(self._job.reform_dir))
         self._reform = InProcessReform(ReformContext(
             channel, rendezvous, self.events, config.rendezvous.node_id,
             ReformBounds.from_config(config), self._signal_seen, config.workers.stop_grace_s,
             config.max_restarts, self.progress_dir, self._notice_path))
+        self._deferred = deferred.DeferredWorkers(channel, self._reform.mark_run)
         self._warm_start = WarmStart(rendezvous, channel, self.events, self._start_standby,
                                      config.rendezvous.join_timeout_s,
                                      config.workers.stop_grace_s, self._signal_seen.is_set)
@@ -361,7 +362,7 @@ class Agent:
             if capable and self._prewarm:  # workers kept through resizes need no successor
                 self._prewarm.close()
                 self._prewarm = None
-            waiting = None if capable else self._waiting_for_place(group, plan)
+            waiting = None if capable else self._deferred.waiting(len(group.pids), plan)
             if reason is not None:
                 return Outcome(REFORM if capable else FOLLOW if waiting else CHANGED, reason)
             if waiting == deferred.READY:
@@ -372,13 +373,6 @@ class Agent:
                     return Outcome(REFORM, reason)
             self._relay_notices(leaving)
             self.rendezvous.wait_for_change(self._config.workers.monitor_interval_s, marker)
-
-    def _waiting_for_place(self, group: Workers, plan: Plan) -> str | None:
-        """deferred.WAITING or READY: the workers' group waits for their places."""
-        waiting = deferred.waiting_for_place(self._channel.states(), len(group.pids))
-        if waiting is not None:
-            self._reform.mark_run(plan.round)
-        return waiting
 
     def _hung_worker(self, group: Workers) -> WorkerExit | None:
         timeout = self._config.workers.worker_timeout_s

@@ -20,7 +20,8 @@ What the agent sees, from the re-formation channel (reform.py), and does:
   round current now (`InProcessReform.place`), and from their first TRAINING report
   on they re-form in place like any other;
 - a worker that has not reported yet may belong to a script without `defer_group`
-  (or without the runtime at all): a change takes the restart path, as ever.
+  (or without the runtime at all): a change takes the restart path, as ever, unless
+  this node's workers deferred before (same script): then it is on its way too.
 The run is marked as re-forming in place at the first DEFERRED report (not at the
 first step): newcomers then start their workers on standby before they join.
 """
@@ -28,10 +29,11 @@ first step): newcomers then start their workers on standby before they join.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from elastic_runner.agent.ports import Rendezvous
 from elastic_runner.events import EventLog
-from elastic_runner.reform import DEFERRED, STANDBY, STANDBY_ROUND, WorkerState
+from elastic_runner.reform import DEFERRED, STANDBY, STANDBY_ROUND, ReformChannel, WorkerState
 from elastic_runner.rendezvous.protocol import Cause, Plan
 from elastic_runner.rendezvous.ranks import assign_ranks, plan_problem
 from elastic_runner.errors import RendezvousError
@@ -41,13 +43,45 @@ log = logging.getLogger("elastic_runner")
 WAITING, READY = "waiting", "ready"  # for their place: on the way, or at the function
 
 
-def waiting_for_place(states: dict[int, WorkerState], workers: int) -> str | None:
-    """WAITING or READY when every local worker is on its way to a place, else None."""
+def waiting_for_place(states: dict[int, WorkerState], workers: int,
+                      they_defer: bool = False) -> str | None:
+    """WAITING or READY when every local worker is on its way to a place, else None.
+
+    `they_defer`: this node's workers deferred their group before (the same script),
+    so one not heard from yet is on its way too. Why it matters: on a busy machine the
+    moment before a fresh worker's first report (Python, import torch) is the longest
+    of its start (seen in a chaos soak: a change every few seconds restarted five
+    nodes' booting workers over and over, 37 s before the first step)."""
     found = [states.get(local) for local in range(workers)]
-    if not found or any(state is None or state.round != STANDBY_ROUND
-                        or state.phase not in (DEFERRED, STANDBY) for state in found):
+    if not found or any(not _on_its_way(state, they_defer) for state in found):
         return None
-    return READY if all(state.phase == STANDBY for state in found) else WAITING
+    return READY if all(state is not None and state.phase == STANDBY
+                        for state in found) else WAITING
+
+
+class DeferredWorkers:
+    """What one agent knows of its workers' deferred groups, from their reports."""
+
+    def __init__(self, channel: ReformChannel, mark_run: Callable[[int], None]):
+        self._channel, self._mark_run = channel, mark_run
+        self._they_defer = False  # some worker of this node deferred its group, ever
+
+    def waiting(self, workers: int, plan: Plan) -> str | None:
+        """WAITING or READY (waiting_for_place); the run is then marked as re-forming
+        in place, so that newcomers start their workers on standby."""
+        states = self._channel.states()
+        self._they_defer = self._they_defer or any(
+            state.phase == DEFERRED for state in states.values())
+        waiting = waiting_for_place(states, workers, self._they_defer)
+        if waiting is not None:
+            self._mark_run(plan.round)
+        return waiting
+
+
+def _on_its_way(state: WorkerState | None, they_defer: bool) -> bool:
+    if state is None:
+        return they_defer
+    return state.round == STANDBY_ROUND and state.phase in (DEFERRED, STANDBY)
 
 
 def follow(rendezvous: Rendezvous, events: EventLog, node_id: str, plan: Plan,

@@ -103,6 +103,30 @@ def test_workers_wait_for_a_place_only_when_every_one_of_them_said_so(states, ex
 
 def test_no_workers_wait_for_nothing():
     assert waiting_for_place({}, 0) is None
+    assert waiting_for_place({}, 0, they_defer=True) is None
+
+
+def test_once_its_workers_deferred_the_agent_counts_fresh_ones_as_on_their_way(tmp_path):
+    """Same script, same choice: a worker of a later start not heard from yet (Python,
+    import torch) will defer its group too, so a change then is followed."""
+    from elastic_runner.agent.deferred import DeferredWorkers
+    from elastic_runner.reform import ReformChannel
+    from elastic_runner.rendezvous.protocol import Plan
+
+    channel, marked = ReformChannel(tmp_path / "reform"), []
+    workers = DeferredWorkers(channel, marked.append)
+    plan = Plan(5, members((NODE, 2)), "127.0.0.1", 29505)
+    assert workers.waiting(2, plan) is None  # nothing heard, nothing known: restart path
+    channel.report(0, _state(DEFERRED))
+    assert workers.waiting(2, plan) == WAITING  # local rank 1 runs the same script
+    channel.report(0, _state(STANDBY))
+    channel.report(1, _state(STANDBY))
+    assert workers.waiting(2, plan) == READY
+    channel.reset()  # a restart: fresh workers, nothing reported yet
+    assert workers.waiting(2, plan) == WAITING
+    channel.report(1, _state(TRAINING, 6))  # a place taken: no longer waiting
+    assert workers.waiting(2, plan) is None
+    assert marked == [5, 5, 5]
 
 
 class _NewcomerSeen:
