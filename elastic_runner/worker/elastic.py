@@ -28,7 +28,9 @@ The worker's half of the channel in reform.py, one round at a time:
 
 A worker started on standby (its node had not joined yet, agent/standby.py) has no
 process group when it gets here: it reports STANDBY, waits for its first assignment
-as in 3., and goes to 1. with the model already built.
+as in 3., and goes to 1. with the model already built. So does a worker whose
+`er.init(defer_group=True)` formed none (agent/deferred.py); its first group waits
+for the other members as long as er.init() would have (the collective timeout).
 
 Anything that stops a worker from re-forming is reported FAILED (the agent then
 takes the restart path for the round). Outside elastic-run (no ELASTIC_RUN_REFORM_DIR:
