@@ -32,11 +32,11 @@ import logging
 from typing import Callable
 
 from elastic_runner.agent.ports import Rendezvous
+from elastic_runner.errors import RendezvousError
 from elastic_runner.events import EventLog
 from elastic_runner.reform import DEFERRED, STANDBY, STANDBY_ROUND, ReformChannel, WorkerState
 from elastic_runner.rendezvous.protocol import Cause, Plan
 from elastic_runner.rendezvous.ranks import assign_ranks, plan_problem
-from elastic_runner.errors import RendezvousError
 
 log = logging.getLogger("elastic_runner")
 

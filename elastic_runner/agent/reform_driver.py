@@ -341,10 +341,12 @@ class InProcessReform:
         (`deferred`, agent/deferred.py), their places in `plan`; False when they could
         not take them (then they were stopped, with one line and one event)."""
         self._first_group = deferred
+        who, exited = ("the workers", "exited before their place") if deferred else \
+            ("the standby workers", "exited on standby")
         ok, _ = self._attempt(
-            group, lambda: self._take_places(group, plan, "exited on standby"), plan.round,
-            "standby_fallback", "the standby workers could not take their places in round %d "
-            "(%s); starting fresh workers")
+            group, lambda: self._take_places(group, plan, exited), plan.round,
+            "standby_fallback", f"{who} could not take their places in round %d (%s); "
+            "starting fresh workers")
         return ok
 
     def _take_places(self, group: Workers, new: Plan, exited: str) -> None:

