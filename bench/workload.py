@@ -51,6 +51,9 @@ def main() -> None:
                     default="plain")
     ap.add_argument("--defer-group", action="store_true",
                     help="er-inproc: er.init(defer_group=True), the group formed at train()")
+    ap.add_argument("--boot-delay", type=float, default=0.0,
+                    help="seconds slept once the model is built, before the checkpoint and "
+                         "the first step: a GPU job's model build and CUDA start (start_join.py)")
     args = ap.parse_args()
 
     rank = int(os.environ.get("RANK", "0"))
@@ -69,6 +72,10 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(args.dim, 128), torch.nn.Tanh(),
                                 torch.nn.Linear(128, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if args.boot_delay:  # every worker that got this far, restarted or not (start_join.py)
+        with open(args.out, "a") as out:
+            out.write(json.dumps({"kind": "booted", "t": time.time(), "pid": os.getpid()}) + "\n")
+        time.sleep(args.boot_delay)
     start_step = 0
     path = os.path.join(args.ckpt_dir, "ckpt.pt")
     if args.ckpt in ("er-cadence", "er-sampler"):
