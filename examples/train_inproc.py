@@ -10,8 +10,8 @@ again. Only the first start of the job, and the loss of every copy, read a check
 
 With --defer-group (er.init(defer_group=True)) the process group forms when train() is
 first called, with the ranks current then: nodes that join or leave while the workers
-start cost them nothing. With --trace FILE every worker first appends a "booted" line,
-then every rank two JSON lines per step. Before its first
+start cost them nothing. With --trace FILE every rank appends two JSON lines per step
+(and, with --boot-delay, a "booted" line before that delay). Before its first
 collective: the indices it is about to contribute ("began"). After the step: the same
 with its pid, world size, round, and a checksum of the parameters (all ranks must agree
 on it at every step; the in-process tests check exactly that). Why both: a rank whose
@@ -69,9 +69,11 @@ def main() -> None:
     ckpt = er.Checkpointer(args.checkpoint_dir, keep=3, every=args.every)
     state.restore(ckpt)
     trace = open(args.trace, "a", buffering=1) if args.trace else None
-    if trace:  # up to here, the script is "starting"
-        trace.write(json.dumps({"booted": os.getpid(), "round": er.current().round}) + "\n")
-    time.sleep(args.boot_delay)
+    if args.boot_delay:  # a model that takes long to build: the script is still starting
+        if trace:
+            trace.write(json.dumps({"booted": os.getpid(), "pid": os.getpid(),
+                                    "round": er.current().round}) + "\n")
+        time.sleep(args.boot_delay)
 
     @er.elastic(state)
     def train(state):
