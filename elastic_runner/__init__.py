@@ -10,6 +10,7 @@ The worker-side API (see examples/train_mlp.py)::
 
 Workers that survive a resize in their own process (examples/train_inproc.py)::
 
+    ctx = er.init(defer_group=True)   # the group forms at train(): changes meanwhile are free
     state = er.State(model=model, optimizer=opt, sampler=sampler)
     state.restore(ckpt)
 
@@ -34,6 +35,7 @@ _EXPORTS = {
     "MemoryLatestStore": "worker.checkpoint.checkpointer",
     "ElasticSampler": "worker.sampler",
     "State": "worker.state", "ShardedStateError": "worker.state", "elastic": "worker.elastic",
+    "NoPlaceYet": "errors",
     "BatchPolicy": "worker.scaling", "BatchPlan": "worker.scaling",
     "parse_policy": "worker.scaling", "plan_batch": "worker.scaling",
 }

@@ -43,8 +43,9 @@ def test_a_deferred_worker_forms_no_group_and_tells_its_agent(worker_env):
 def test_training_outside_er_elastic_without_a_place_fails_in_one_line(worker_env):
     er.init(defer_group=True, timeout_s=2)
     sampler = er.ElasticSampler(64, global_batch_size=8)
-    with pytest.raises(NoPlaceYet, match="start the sampler's loop inside it"):
+    with pytest.raises(er.NoPlaceYet, match="start the sampler's loop inside it") as caught:
         next(iter(sampler))
+    assert caught.type is NoPlaceYet and "\n" not in str(caught.value)
 
 
 def test_a_sharded_state_cannot_defer_its_group(worker_env, monkeypatch):
