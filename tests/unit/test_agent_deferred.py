@@ -8,6 +8,8 @@ got, that nobody was stopped, and the events.
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from elastic_runner.agent.deferred import READY, WAITING, waiting_for_place
@@ -71,6 +73,27 @@ def test_a_node_left_out_of_the_round_it_followed_stops_its_workers_and_rejoins(
     assert [g.round for g in node.groups] == [0, 2]  # fresh workers for the round after
     assert [(a.round, a.rank) for w in node.groups[1].workers for a in w.assignments] == \
         [(2, 2), (2, 3)]
+
+
+def test_a_signal_while_the_agent_follows_a_round_stops_the_workers_and_the_node(tmp_path):
+    """The operator's Ctrl-C while the agent waits for the round it follows: the
+    rendezvous ends its wait (ShutdownRequested), and no worker outlives its agent."""
+    from elastic_runner.errors import ShutdownRequested
+
+    node = Node(tmp_path, [members(("x", 2), (NODE, 2)), members((NODE, 2))],
+                Behaviour(defers=True, ready_when=lambda: False))
+    node.rendezvous.change = Cause.member_lost(["x"])
+    node.rendezvous.change_when = lambda: node.channel_shows(DEFERRED, STANDBY_ROUND)
+
+    def interrupted(number: int) -> None:
+        if number == 1:
+            node.agent.request_stop(signal.SIGINT)
+            raise ShutdownRequested("a signal arrived during the rendezvous")
+
+    node.rendezvous.on_next_plan = interrupted
+    assert node.run() == 130
+    assert "stop round-0 workers" in node.journal and node.journal[-1] == "leave"
+    assert len(node.groups) == 1 and all(w.done.is_set() for w in node.groups[0].workers)
 
 
 def test_workers_without_the_runtime_keep_the_restart_path(tmp_path):
