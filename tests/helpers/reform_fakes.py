@@ -361,3 +361,30 @@ class Node:
 
     def kinds(self, kind: str) -> list[dict]:
         return self.rendezvous.kinds(kind)
+
+
+# ---- one InProcessReform on its own (the watches), without an agent ------------------
+class RoundsAsSeen:
+    """The two questions a round's watch asks the rendezvous, scripted."""
+
+    def __init__(self, cause: Cause | None = None, notices: tuple[str, ...] = ()):
+        self.cause, self.leaving, self.asked = cause, list(notices), 0
+
+    def change_reason(self, plan):
+        self.asked += 1
+        return self.cause
+
+    def notices(self, plan):
+        return self.leaving
+
+
+def bare_reform(tmp_path: Path, rendezvous: RoundsAsSeen):
+    """An InProcessReform on `rendezvous` alone, and its channel."""
+    from elastic_runner.agent import reform_driver
+
+    channel = ReformChannel(tmp_path / "reform")
+    context = reform_driver.ReformContext(
+        channel=channel, rendezvous=rendezvous, events=None, node_id=NODE, bounds=None,
+        stop_requested=threading.Event(), stop_grace_s=1.0, max_restarts=1,
+        progress_dir=tmp_path, notice_path=tmp_path / "notice")
+    return reform_driver.InProcessReform(context), channel

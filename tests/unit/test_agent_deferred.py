@@ -17,7 +17,9 @@ from elastic_runner.reform import (
     DEFERRED, PAUSED, STANDBY, STANDBY_ROUND, TRAINING, WorkerState,
 )
 from elastic_runner.rendezvous.protocol import Cause, CauseKind
-from tests.helpers.reform_fakes import NODE, Behaviour, Node, members
+from tests.helpers.reform_fakes import (
+    NODE, Behaviour, Node, RoundsAsSeen, bare_reform, members,
+)
 
 
 def _places(node: Node) -> list[tuple[int, int, int]]:
@@ -152,33 +154,15 @@ def test_once_its_workers_deferred_the_agent_counts_fresh_ones_as_on_their_way(t
     assert marked == [5, 5, 5]
 
 
-class _NewcomerSeen:
-    """The rendezvous port as a forming watch uses it: a newcomer in every look."""
-
-    def change_reason(self, plan):
-        return Cause(CauseKind.NEWCOMER)
-
-    def notices(self, plan):
-        return []
-
-
 @pytest.mark.parametrize("deferred", [False, True])
 def test_a_newcomer_calls_off_a_first_group_only_where_it_was_deferred(tmp_path, deferred):
     """Members that re-formed are all ready: their group forms within moments, and
     takes the newcomer in afterwards. A deferred first group waits for every member's
     script to reach its training function; members still on their way follow the
     newcomer's round at once, so this one would wait out its formation timeout."""
-    import threading
-
-    from elastic_runner.agent.reform_driver import InProcessReform, ReformContext
-    from elastic_runner.reform import ReformChannel
     from elastic_runner.rendezvous.protocol import Plan
 
-    channel = ReformChannel(tmp_path / "reform")
-    reform = InProcessReform(ReformContext(
-        channel=channel, rendezvous=_NewcomerSeen(), events=None, node_id=NODE, bounds=None,
-        stop_requested=threading.Event(), stop_grace_s=1.0, max_restarts=1,
-        progress_dir=tmp_path, notice_path=tmp_path / "notice"))
+    reform, channel = bare_reform(tmp_path, RoundsAsSeen(Cause(CauseKind.NEWCOMER)))
     new = Plan(4, members(("x", 1), (NODE, 1)), "127.0.0.1", 29504, 0, "start")
     watch = reform.forming_watch(new, newcomers=deferred)
     assert watch.check([0]) == [0]

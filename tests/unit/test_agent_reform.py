@@ -21,7 +21,7 @@ from elastic_runner.config import AgentConfig, EtcdConfig, RendezvousConfig, Wor
 from elastic_runner.reform import COLLECTIVE_ERROR, PAUSED, TRAINING, ReformChannel, WorkerState
 from elastic_runner.rendezvous.protocol import Cause, CauseKind
 from tests.helpers.reform_fakes import (
-    NODE, POLL_S, TEST_DEADLINE_S, Behaviour, Node, members,
+    NODE, POLL_S, TEST_DEADLINE_S, Behaviour, Node, RoundsAsSeen, bare_reform, members,
 )
 
 LOST_X = [members(("x", 2), (NODE, 2)), members((NODE, 2))]
@@ -275,34 +275,10 @@ def test_the_pause_bound_outlasts_a_collective_timeout():
         assert bounds.pause_s > rdzv.collective_timeout_s
 
 
-class _RoundsAsSeen:
-    """The two questions a forming round's watch asks the rendezvous, scripted."""
-
-    def __init__(self, cause: Cause | None = None, notices: tuple[str, ...] = ()):
-        self.cause, self.leaving, self.asked = cause, list(notices), 0
-
-    def change_reason(self, plan):
-        self.asked += 1
-        return self.cause
-
-    def notices(self, plan):
-        return self.leaving
-
-
-def _reform(tmp_path: Path, rendezvous: _RoundsAsSeen):
-    """An InProcessReform on `rendezvous` alone, and its channel."""
-    channel = ReformChannel(tmp_path / "reform")
-    context = reform_driver.ReformContext(
-        channel=channel, rendezvous=rendezvous, events=None, node_id=NODE, bounds=None,
-        stop_requested=threading.Event(), stop_grace_s=1.0, max_restarts=1,
-        progress_dir=tmp_path, notice_path=tmp_path / "notice")
-    return reform_driver.InProcessReform(context), channel
-
-
-def _forming_watch(tmp_path: Path, rendezvous: _RoundsAsSeen):
+def _forming_watch(tmp_path: Path, rendezvous: RoundsAsSeen):
     from elastic_runner.rendezvous.protocol import Plan
 
-    reform, channel = _reform(tmp_path, rendezvous)
+    reform, channel = bare_reform(tmp_path, rendezvous)
     new = Plan(4, members(("x", 1), (NODE, 1)), "127.0.0.1", 29504, 0, "member-lost")
     return reform.forming_watch(new), channel
 
@@ -316,7 +292,7 @@ def _forming_watch(tmp_path: Path, rendezvous: _RoundsAsSeen):
 ])
 def test_a_round_that_loses_a_member_while_forming_is_called_off(tmp_path, cause, notices,
                                                                  calls_off):
-    rendezvous = _RoundsAsSeen(cause, notices)
+    rendezvous = RoundsAsSeen(cause, notices)
     watch, channel = _forming_watch(tmp_path, rendezvous)
     assert watch.check([0]) == [0]
     assert channel.pause_asked(4) is calls_off
@@ -338,7 +314,7 @@ def test_a_graceful_pause_is_cut_only_for_a_loss_that_holds_its_round(tmp_path, 
     from elastic_runner.rendezvous.protocol import Plan
 
     # x's notice is no reason either: the boundary comes, then x leaves at it.
-    reform, channel = _reform(tmp_path, _RoundsAsSeen(cause, notices=("x",)))
+    reform, channel = bare_reform(tmp_path, RoundsAsSeen(cause, notices=("x",)))
     plan = Plan(3, members(("x", 1), (NODE, 1)), "127.0.0.1", 29503, 0, "start")
     new = Plan(4, members(("x", 1), (NODE, 1), ("y", 1)), "127.0.0.1", 29504, 0, "newcomer")
     watch = reform.pausing_watch(plan, new)
@@ -348,7 +324,7 @@ def test_a_graceful_pause_is_cut_only_for_a_loss_that_holds_its_round(tmp_path, 
 
 
 def test_a_formed_round_is_not_looked_at(tmp_path):
-    rendezvous = _RoundsAsSeen(Cause.member_lost(("x",)))
+    rendezvous = RoundsAsSeen(Cause.member_lost(("x",)))
     watch, channel = _forming_watch(tmp_path, rendezvous)
     assert watch.check([]) == []
     assert rendezvous.asked == 0 and not channel.pause_asked(4)
