@@ -45,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=100, help="durable checkpoint cadence (steps)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step")
     parser.add_argument("--trace", help="append one JSON line per step (indices, checksum)")
+    parser.add_argument("--fast-file", help="once this file exists, steps skip "
+                        "--step-time (a test ends the idle tail of its epoch)")
     parser.add_argument("--defer-group", action="store_true",
                         help="er.init(defer_group=True): the group forms when train() is "
                              "first called, so changes while the workers start cost nothing")
@@ -101,7 +103,7 @@ def main() -> None:
                         "round": ctx.round, "pid": os.getpid(), "epoch": epoch,
                         "indices": indices, "checksum": checksum(model),
                         "t": time.time()}) + "\n")
-                if args.step_time:
+                if args.step_time and not (args.fast_file and os.path.exists(args.fast_file)):
                     time.sleep(args.step_time)
                 if ckpt.due(step):
                     ckpt.save(step, state)  # the same names restore() reads back

@@ -11,6 +11,7 @@ also appends every sample index it trains on (used by the exactly-once tests).
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -52,6 +53,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step")
     parser.add_argument("--trace", help="append one JSON line per step with the indices trained")
+    parser.add_argument("--fast-file", help="once this file exists, steps skip "
+                        "--step-time (a test ends the idle tail of its epoch)")
     args = parser.parse_args()
 
     with er.init() as ctx:
@@ -96,7 +99,7 @@ def main() -> None:
                           f"{loss_sum.item() / max(len(indices), 1):.4f} samples/s {rate:.0f}",
                           flush=True)
                 started = time.perf_counter()
-                if args.step_time:
+                if args.step_time and not (args.fast_file and os.path.exists(args.fast_file)):
                     time.sleep(args.step_time)
                 if ckpt.due(step):
                     ckpt.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict(),

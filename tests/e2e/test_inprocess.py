@@ -25,8 +25,8 @@ pytestmark = pytest.mark.e2e
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_inproc.py"
 # 300 steps: the epoch must outlast every change of a test, and a newcomer's standby
 # start (import torch, the model) runs while the others train: 60 steps when quiet,
-# up to 130 with two CPU hogs alongside. The steps after the last change are the
-# test's idle tail (0.05-0.1 s each), so no more than that.
+# up to 130 with two CPU hogs alongside. The steps after the last change run without
+# their sleep (finished(): Job.hurry).
 SAMPLES = 7200
 BATCH = 24  # divisible by 1, 2, 3 and 4 ranks: every rank trains the same count per step
 LAST_STEP = SAMPLES // BATCH  # the sampler counts steps from 1
@@ -41,7 +41,8 @@ def inproc(etcd, tmp_path):
     job.trace = tmp_path / "trace.jsonl"
     job.script_args = ("--samples", str(SAMPLES), "--global-batch", str(BATCH),
                        "--step-time", "0.05", "--trace", str(job.trace),
-                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--every", "1000")
+                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--every", "1000",
+                       "--fast-file", str(job.fast_file))
     yield job
     job.stop_all()
 
@@ -83,6 +84,8 @@ def wait_world(job: Job, world: int, steps: int = 3, after_round: int = -1,
 
 
 def finished(job: Job, *nodes: str) -> dict[str, int]:
+    """The exit codes, once the epoch's rest (after the test's last change) has run."""
+    job.hurry()
     return {node: job.wait_exit(node, timeout=180) for node in nodes}
 
 

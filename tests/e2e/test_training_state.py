@@ -12,7 +12,8 @@ from tests.e2e.harness import MLP, read_jsonl
 pytestmark = pytest.mark.e2e
 
 # 150 steps in the epoch: the notice run's four resizes are over by step ~40, the
-# crash run's kill and join by step ~70, on a loaded machine.
+# crash run's kill and join by step ~70, on a loaded machine; the steps after the last
+# one run without their sleep (Job.hurry).
 SAMPLES, GLOBAL_BATCH = 2400, 16
 
 
@@ -26,7 +27,8 @@ def mlp_job(job, tmp_path):
     job.trace = tmp_path / "trace.jsonl"
     job.script_args = ("--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH),
                        "--checkpoint-dir", str(tmp_path / "ckpt"), "--every", "25",
-                       "--step-time", "0.05", "--trace", str(job.trace))
+                       "--step-time", "0.05", "--trace", str(job.trace),
+                       "--fast-file", str(job.fast_file))
     return job
 
 
@@ -112,6 +114,7 @@ def test_join_and_every_kind_of_notice_lose_nothing_and_keep_the_trajectory(mlp_
     notice_checkpoint(job, logs, 3, 1, "SIGTERM to d and b's notice file")
     job.start("e", log_dir=logs)                         # 1 -> 2
     wait_world(job, 2, step)
+    job.hurry()
     assert job.wait_exit("a", timeout=120) == 0 and job.wait_exit("e", timeout=30) == 0
     assert job.wait_exit("b", timeout=10) == 0 and job.wait_exit("d", timeout=10) == 0
 
@@ -147,9 +150,11 @@ def test_a_crash_rolls_back_only_to_the_last_checkpoint(mlp_job):
     wait_world(job, 3)
     step = wait_world(job, 3, after_step=29)
     job.kill("c")
-    wait_world(job, 2, step)
+    step = wait_world(job, 2, step)
     job.start("d")
-    assert job.wait_exit("a", timeout=150) == 0
+    wait_world(job, 3, step)
+    job.hurry()
+    assert job.wait_exit("a", timeout=150) == 0 and job.wait_exit("d", timeout=30) == 0
     rows = read_trace(job.trace)
     by_round: dict[int, list[int]] = {}
     for row in rows:

@@ -11,6 +11,7 @@ A fault armed by the harness (Job.fail_worker) ends its rank as it reaches its s
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -18,6 +19,11 @@ import torch.distributed as dist
 from injected_fault import fail_if_armed
 
 import elastic_runner as er
+
+
+def pause(args) -> None:
+    if not (args.fast_file and os.path.exists(args.fast_file)):
+        time.sleep(args.step_time)
 
 
 def main() -> None:
@@ -29,6 +35,8 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--step-time", type=float, default=0.05)
     parser.add_argument("--every", type=int, default=1000, help="due(): a checkpoint every N steps")
+    parser.add_argument("--fast-file", help="once this file exists, steps skip "
+                        "--step-time (a test ends the idle tail of its epoch)")
     args = parser.parse_args()
     with er.init() as ctx, open(args.trace, "a", buffering=1) as trace:
         def log(step, indices):
@@ -42,7 +50,7 @@ def main() -> None:
                 ones = torch.ones(1)
                 dist.all_reduce(ones)
                 log(step, [])
-                time.sleep(args.step_time)
+                pause(args)
             return
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
@@ -68,7 +76,7 @@ def main() -> None:
                 dist.all_reduce(param.grad)
             optimizer.step()
             log(step, indices)
-            time.sleep(args.step_time)
+            pause(args)
             if args.style == "due" and ckpt.due(step):
                 ckpt.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict(),
                                  "sampler": sampler.state_dict()})
