@@ -22,7 +22,9 @@ batch, so samples/step = batch x world):
                   `import torch` (median, this run) after it appears, nothing else
                   costs. Compression shortens a node's life, never its boot: at x370 a
                   3 s boot stands for 18 trace minutes, so the ceiling falls with
-                  --duration
+                  --duration. "The script's boot": the same, with the median time a
+                  worker also took to build its model and optimizer (the first
+                  optimizer imports torch._dynamo: another ~1.5 s here)
   resizes         changes of world size seen by rank 0; (re)starts = worker processes
                   of rank 0 launched
   cost            per useful sample, relative to an always-full on-demand cluster:
@@ -175,6 +177,8 @@ def replay(key: str, schedule, duration: float, args, endpoint: str, wd: Path) -
             "median_step_s": step_s, "per_node_samples_per_s": per_node_rate,
             "ideal_samples": ideal, "goodput": goodput, "stalled_s": stalled, **boot,
             "goodput_of_ceiling": goodput / boot["boot_ceiling"] if goodput else None,
+            "goodput_of_script_ceiling": goodput / boot["boot_ceiling_script"]
+            if goodput and boot["boot_ceiling_script"] else None,
             "cost_rel_on_demand": (SPOT / ON_DEMAND) / goodput if goodput else None,
             "spot_usd_per_1M_samples": SPOT / 3600 * node_seconds / useful * 1e6 if useful else None,
             "on_demand_usd_per_1M_samples": ON_DEMAND / 3600 / per_node_rate * 1e6 if per_node_rate else None,
@@ -189,11 +193,16 @@ def boot_figures(job, log: list[dict], duration: float, t0: float, end: float) -
     boot_ceiling: the goodput a launcher would reach if a node trained from
     boot_import_s after it appeared and nothing else cost anything: the bound the
     compression puts on every launcher (a node's boot is not compressed, its
-    lifetime is). node_first_step_s: median time from a node's start to the first
-    step one of its workers trained (nodes that trained at all)."""
+    lifetime is). boot_script_s / boot_ceiling_script: the same with the script's
+    whole boot, `import torch` plus building its model and optimizer (the first
+    optimizer imports torch._dynamo, as long again as torch here): also paid by any
+    launcher on a fresh node. node_first_step_s: median time from a node's start to
+    the first step one of its workers trained (nodes that trained at all)."""
     starts = [r for r in c.read_jsonl(job.steps_file)
               if r.get("kind") == "start" and "t_torch" in r and r["t_proc"] <= end]
     boot_s = statistics.median(r["t_torch"] - r["t_proc"] for r in starts) if starts else 0.0
+    built = [r["t_torch"] - r["t_proc"] + r["model_s"] for r in starts if "model_s" in r]
+    script_s = statistics.median(built) if built else None
     added: dict[str, float] = {}
     spans: list[float] = []
     for e in log:
@@ -208,8 +217,11 @@ def boot_figures(job, log: list[dict], duration: float, t0: float, end: float) -
         first_step.setdefault(r["ppid"], r["t"])
     delays = [first_step[proc.pid] - job.started_at[node] for node, proc in job.agents.items()
               if proc.pid in first_step and first_step[proc.pid] <= end]
-    return {"boot_import_s": boot_s,
-            "boot_ceiling": sum(max(0.0, s - boot_s) for s in spans) / whole if whole else None,
+
+    def ceiling(boot: float | None) -> float | None:
+        return sum(max(0.0, s - boot) for s in spans) / whole if whole and boot is not None else None
+    return {"boot_import_s": boot_s, "boot_ceiling": ceiling(boot_s),
+            "boot_script_s": script_s, "boot_ceiling_script": ceiling(script_s),
             "node_first_step_s": statistics.median(delays) if delays else None}
 
 
@@ -274,7 +286,10 @@ def main() -> None:
                        ("steps re-done", "redone_steps", 0), ("goodput", "goodput", 3),
                        ("boot ceiling (any launcher)", "boot_ceiling", 3),
                        ("goodput / boot ceiling", "goodput_of_ceiling", 3),
+                       ("boot ceiling, the script's boot (any launcher)", "boot_ceiling_script", 3),
+                       ("goodput / that ceiling", "goodput_of_script_ceiling", 3),
                        ("worker import torch, median (s)", "boot_import_s", 2),
+                       ("+ model and optimizer built, median (s)", "boot_script_s", 2),
                        ("node start -> its first step, median (s)", "node_first_step_s", 1),
                        ("resizes (world changes)", "resizes", 0),
                        ("worker starts (rank 0)", "worker_starts_rank0", 0),

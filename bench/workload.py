@@ -72,6 +72,10 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(args.dim, 128), torch.nn.Tanh(),
                                 torch.nn.Linear(128, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # The script's own boot, which no launcher can skip on a fresh node: import torch,
+    # and building the model and optimizer (the first optimizer imports torch._dynamo:
+    # torch._compile._disable_dynamo). spot_replay.py's boot ceiling counts both.
+    boot = {"t_proc": T_PROC, "t_torch": T_TORCH, "model_s": time.time() - t_pg}
     if args.boot_delay:  # every worker that got this far, restarted or not (start_join.py)
         with open(args.out, "a") as out:
             out.write(json.dumps({"kind": "booted", "t": time.time(), "pid": os.getpid()}) + "\n")
@@ -79,10 +83,10 @@ def main() -> None:
     start_step = 0
     path = os.path.join(args.ckpt_dir, "ckpt.pt")
     if args.ckpt in ("er-cadence", "er-sampler"):
-        run_with_sampler(args, model, opt, rank, world, restart, rnd)
+        run_with_sampler(args, model, opt, rank, world, restart, rnd, boot)
         return
     if args.ckpt == "er-inproc":
-        run_in_process(args, model, opt, t_pg)
+        run_in_process(args, model, opt, t_pg, boot)
         return
     if args.ckpt == "er":
         import elastic_runner as er
@@ -99,7 +103,7 @@ def main() -> None:
     out = open(args.out, "a", buffering=1)
     common = {"rank": rank, "world": world, "restart": restart, "round": rnd,
               "pid": os.getpid(), "ppid": os.getppid()}
-    out.write(json.dumps({"kind": "start", "t_proc": T_PROC, "t_torch": T_TORCH, "t_pg": t_pg,
+    out.write(json.dumps({"kind": "start", **boot, "t_pg": t_pg,
                           "resume_step": start_step, **common}) + "\n")
     step = start_step
     while not args.steps or step <= args.steps:
@@ -140,7 +144,7 @@ def log_step(out, args, step: int, world: int, common: dict) -> None:
         time.sleep(args.step_time)
 
 
-def run_with_sampler(args, model, opt, rank, world, restart, rnd) -> None:
+def run_with_sampler(args, model, opt, rank, world, restart, rnd, boot: dict) -> None:
     """The sampler styles: steps come from er.ElasticSampler (the runtime's step
     boundary), the batch is --local-batch per rank as in the other styles."""
     import elastic_runner as er
@@ -154,8 +158,8 @@ def run_with_sampler(args, model, opt, rank, world, restart, rnd) -> None:
     out = open(args.out, "a", buffering=1)
     common = {"rank": rank, "world": world, "restart": restart, "round": rnd,
               "pid": os.getpid(), "ppid": os.getppid()}
-    out.write(json.dumps({"kind": "start", "t_proc": T_PROC, "t_torch": T_TORCH,
-                          "t_pg": time.time(), "resume_step": start_step + 1, **common}) + "\n")
+    out.write(json.dumps({"kind": "start", **boot, "t_pg": time.time(),
+                          "resume_step": start_step + 1, **common}) + "\n")
     for step, indices in sampler:
         train_step(model, opt, torch.randn(len(indices), args.dim, generator=gen), world)
         log_step(out, args, step, world, common)
@@ -166,7 +170,7 @@ def run_with_sampler(args, model, opt, rank, world, restart, rnd) -> None:
     er.finish()
 
 
-def run_in_process(args, model, opt, t_pg: float) -> None:
+def run_in_process(args, model, opt, t_pg: float, boot: dict) -> None:
     """The in-process style: one process for the whole run; rank, world size and round
     are read from the runtime at every step because a re-formation changes them."""
     import elastic_runner as er
@@ -178,7 +182,7 @@ def run_in_process(args, model, opt, t_pg: float) -> None:
     start_step = state.restore(ckpt)
     out = open(args.out, "a", buffering=1)
     ctx = er.current()
-    out.write(json.dumps({"kind": "start", "t_proc": T_PROC, "t_torch": T_TORCH, "t_pg": t_pg,
+    out.write(json.dumps({"kind": "start", **boot, "t_pg": t_pg,
                           "resume_step": (start_step or -1) + 1, **dynamic(ctx)}) + "\n")
 
     @er.elastic(state)
