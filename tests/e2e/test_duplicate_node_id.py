@@ -18,7 +18,8 @@ STEPS = 150  # long enough that a still trains while the duplicate is refused
 
 
 def test_a_second_agent_with_a_live_nodes_id_exits_2_and_the_first_trains_on(job):
-    job.script_args = ("--step-time", "0.05", "--steps", str(STEPS))
+    job.script_args = ("--step-time", "0.05", "--steps", str(STEPS),
+                       "--fast-file", str(job.fast_file))
     job.start("a")
     job.wait_world(2)
     log_path = job.workdir / "agent-a-duplicate.log"
@@ -40,6 +41,7 @@ def test_a_second_agent_with_a_live_nodes_id_exits_2_and_the_first_trains_on(job
                                 f"a live agent of run '{job.run_id}'"), output
     assert "another --node-id" in errors[0]
     assert "Traceback" not in output
+    job.hurry()
     assert job.wait_exit("a", timeout=120) == 0, job.agent_log("a")[-3000:]
     rows = job.steps()
     assert {r["WORLD_SIZE"] for r in rows} == {"2"}  # nobody else ever trained as 'a'

@@ -38,7 +38,7 @@ def prewarm_processes(run_id: str) -> list[int]:
 def test_workers_of_the_first_round_and_of_a_restart_start_with_torch_imported(job):
     job.run_id = f"prewarm-{os.getpid()}"
     job.extra_flags = ("--prewarm",)
-    job.script_args = ("--step-time", "0.05", "--steps", "240")
+    job.script_args = ("--step-time", "0.05", "--steps", "240", "--fast-file", str(job.fast_file))
     job.start("a", "b")
     first = job.wait_world(4, min_steps=3)
     assert {r["preloaded"] for r in first} == {True}
@@ -51,6 +51,7 @@ def test_workers_of_the_first_round_and_of_a_restart_start_with_torch_imported(j
     after = job.wait_world(2, min_steps=3)
     assert {r["preloaded"] for r in after} == {True}
     assert {r["pid"] for r in after} <= waiting and not {r["pid"] for r in after} & before
+    job.hurry()
     assert job.wait_exit("b", timeout=60) == 0
     assert job.wait_exit("a", timeout=120) == 0, job.agent_log("a")[-3000:]
     job.wait_for(lambda: not prewarm_processes(job.run_id), 30, "no interpreter left waiting")
@@ -63,13 +64,15 @@ def test_once_workers_re_form_in_place_no_interpreter_waits_for_them(etcd, tmp_p
     job = Job(etcd.endpoint, tmp_path, script=INPROC, nproc=1, lease_ttl=3, settle=0.5,
               run_id=f"prewarm-inproc-{os.getpid()}", extra_flags=("--prewarm",))
     job.script_args = ("--samples", "2400", "--global-batch", "24", "--step-time", "0.05",
-                       "--trace", str(trace), "--checkpoint-dir", str(tmp_path / "ckpt"))
+                       "--trace", str(trace), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                       "--fast-file", str(job.fast_file))
     try:
         job.start("a")
         job.wait_for(lambda: len(read_jsonl(trace)) >= 5, 90, "5 steps")
         time.sleep(5.0)  # past the refill delay (3 s) after the workers started
         workers = {row["pid"] for row in read_jsonl(trace)}
         assert set(prewarm_processes(job.run_id)) == workers  # the worker, nothing waiting
+        job.hurry()
         assert job.wait_exit("a", timeout=120) == 0, job.agent_log("a")[-3000:]
     finally:
         job.stop_all()

@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=1_000_000)
     parser.add_argument("--step-time", type=float, default=0.1)
+    parser.add_argument("--fast-file", help="once this file exists, steps skip --step-time "
+                        "(a test ends the idle tail of a run with --steps)")
     parser.add_argument("--fail-at-step", type=int, default=-1)
     parser.add_argument("--fail-rank", type=int, default=0)
     parser.add_argument("--fail-only-first", action="store_true",
@@ -50,7 +52,8 @@ def main() -> None:
             out.write(json.dumps({"step": step, "t": time.time(), "pid": os.getpid(),
                                   "reduced": int(total.item()), "preloaded": TORCH_PRELOADED,
                                   **env}) + "\n")
-            time.sleep(args.step_time)
+            if not (args.fast_file and os.path.exists(args.fast_file)):
+                time.sleep(args.step_time)
     dist.destroy_process_group()
 
 
