@@ -263,7 +263,8 @@ def pause_table(summary: dict, keys: list[str], events: list[str]) -> str:
 
 
 def restart_floor(args, workdir: Path, world: int) -> dict:
-    """A fresh python: import torch + gloo process group + checkpoint load + first step."""
+    """A fresh python: import torch + gloo process group + model and optimizer (the
+    first optimizer imports torch._dynamo) + checkpoint load + first step."""
     runs = []
     ckpt = workdir / "ckpt"
     for i in range(args.floor_repeats):
@@ -284,10 +285,13 @@ def restart_floor(args, workdir: Path, world: int) -> dict:
             p.wait(timeout=10)
         if row and starts:
             s = max(starts, key=lambda r: r["t_pg"])
+            built = s.get("model_s", 0.0)
             runs.append({"total": row["t"] - t0, "import_torch": s["t_torch"] - t0,
                          "process_group": s["t_pg"] - s["t_torch"],
-                         "ckpt_and_first_step": row["t"] - s["t_pg"]})
+                         "model_and_optimizer": built,
+                         "ckpt_and_first_step": row["t"] - s["t_pg"] - built})
     return {k: c.mmm([r[k] for r in runs]) for k in ("total", "import_torch", "process_group",
+                                                     "model_and_optimizer",
                                                      "ckpt_and_first_step")}
 
 
@@ -397,9 +401,10 @@ def main() -> None:
             f"{info['date_utc']} UTC, {info['cores']} cores, torch {info['torch']}, etcd {info['etcd']}\n\n"
             + c.table(headers, rows)
             + f"\n\nrestart floor (fresh python: import torch + gloo group of {(args.nodes - 1) * args.nproc}"
-              f" + ckpt load + first step): {c.fmt(floor['total'], 's', 2)}"
+              f" + model and optimizer + ckpt load + first step): {c.fmt(floor['total'], 's', 2)}"
               f" (import torch {c.fmt(floor['import_torch'], 's', 2)}, process group "
-              f"{c.fmt(floor['process_group'], 's', 2)}, ckpt+first step "
+              f"{c.fmt(floor['process_group'], 's', 2)}, model and optimizer "
+              f"{c.fmt(floor['model_and_optimizer'], 's', 2)}, ckpt+first step "
               f"{c.fmt(floor['ckpt_and_first_step'], 's', 2)})"
             + (f"\nelastic-run's fastest shrink (median) is {er_best:.2f}s = floor + "
                f"{er_best - floor_med:.2f}s" if er_best and floor_med else "")

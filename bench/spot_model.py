@@ -123,15 +123,19 @@ class _Book:
 
 def _measured_job(b: _Book) -> Job:
     rd = b.read
+    # A rescale.json from before model_and_optimizer was split out holds it inside
+    # ckpt_and_first_step: either way the floor plus the load is the whole restart.
+    built = rd("rescale.json", "restart_floor.model_and_optimizer.median") or 0.0
     floor = _add(rd("rescale.json", "restart_floor.import_torch.median"),
-                 rd("rescale.json", "restart_floor.process_group.median"))
+                 rd("rescale.json", "restart_floor.process_group.median"), built)
     step = b.take("job.step_s", rd("spot_replay.json", "results.er.median_step_s"),
                   "spot_replay.json:results.er.median_step_s", 0.088)
     every = rd("rescale.json", "args.every")
     load = rd("rescale.json", "restart_floor.ckpt_and_first_step.median")
     return Job(
         restart_floor_s=b.take("job.restart_floor_s", floor,
-                               "rescale.json:restart_floor.import_torch+process_group", 0.73),
+                               "rescale.json:restart_floor.import_torch+process_group"
+                               "+model_and_optimizer", 0.73),
         checkpoint_load_s=b.take("job.checkpoint_load_s", load,
                                  "rescale.json:restart_floor.ckpt_and_first_step, incl. one step", 0.65),
         checkpoint_interval_s=b.take("job.checkpoint_interval_s", every * step if every else None,

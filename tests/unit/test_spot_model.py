@@ -138,10 +138,14 @@ def test_every_kth_reclaim_is_a_sigkill_without_randomness():
     assert {e.kind for e in sm.events_of(saw, 0.0)} == {"notice", "join"}
 
 
-def test_the_measured_profile_adds_up_to_the_measured_totals():
+@pytest.mark.parametrize("floor_parts", [
+    (("import_torch", 0.5), ("process_group", 0.25), ("ckpt_and_first_step", 0.5)),
+    # rescale.json since the model and optimizer build is timed apart from the load
+    (("import_torch", 0.5), ("process_group", 0.25), ("model_and_optimizer", 0.3),
+     ("ckpt_and_first_step", 0.2))])
+def test_the_measured_profile_adds_up_to_the_measured_totals(floor_parts):
     totals = {"start": 3.0, "sigkill": 40.0, "join": 2.5, "sigterm": 39.0}
-    rescale = {"restart_floor": {k: {"median": v} for k, v in
-                                 (("import_torch", 0.5), ("process_group", 0.25), ("ckpt_and_first_step", 0.5))},
+    rescale = {"restart_floor": {k: {"median": v} for k, v in floor_parts},
                "args": {"every": 20},
                "summary": {v: {ev: {"s": {"median": s}, "failures": []} for ev, s in totals.items()}
                            for v in ("tr", "tr-noshare", "er", "er+ckpt")}}
@@ -153,6 +157,7 @@ def test_the_measured_profile_adds_up_to_the_measured_totals():
             if launcher.key.startswith("tr") and name == "sigterm":
                 continue                       # torchrun: the same path as a SIGKILL
             assert launcher.respond(ev, p.job, 2, 0.0).pause_s == pytest.approx(totals[name])
+    assert p.job.restart_floor_s + p.job.checkpoint_load_s == pytest.approx(1.25)
     sources = dict(p.sources)
     assert sources["er.rendezvous_s"].startswith("measured")
     assert sources["job.step_s"].startswith("assumed")       # no spot_replay.json given
