@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import elastic_runner as er
 # The same data and model as train_mlp.py (this folder is on sys.path when run as a script).
-from train_mlp import build_model, synthetic_dataset
+from train_mlp import build_model, pause, synthetic_dataset
 
 
 def parse_args() -> argparse.Namespace:
@@ -103,8 +103,7 @@ def main() -> None:
                         "round": ctx.round, "pid": os.getpid(), "epoch": epoch,
                         "indices": indices, "checksum": checksum(model),
                         "t": time.time()}) + "\n")
-                if args.step_time and not (args.fast_file and os.path.exists(args.fast_file)):
-                    time.sleep(args.step_time)
+                pause(args.step_time, args.fast_file)
                 if ckpt.due(step):
                     ckpt.save(step, state)  # the same names restore() reads back
                 if args.steps and step >= args.steps:

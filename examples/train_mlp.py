@@ -40,6 +40,12 @@ def average_gradients(model: torch.nn.Module, world_size: int) -> None:
             dist.all_reduce(param.grad)
 
 
+def pause(step_time: float, fast_file: str | None) -> None:
+    """The --step-time sleep, skipped once --fast-file exists (a test's idle tail)."""
+    if step_time and not (fast_file and os.path.exists(fast_file)):
+        time.sleep(step_time)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=4096)
@@ -99,8 +105,7 @@ def main() -> None:
                           f"{loss_sum.item() / max(len(indices), 1):.4f} samples/s {rate:.0f}",
                           flush=True)
                 started = time.perf_counter()
-                if args.step_time and not (args.fast_file and os.path.exists(args.fast_file)):
-                    time.sleep(args.step_time)
+                pause(args.step_time, args.fast_file)
                 if ckpt.due(step):
                     ckpt.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict(),
                                      "sampler": sampler.state_dict()})

@@ -18,6 +18,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist
 from injected_fault import fail_if_armed
+from pacing import pause
 
 
 def main() -> None:
@@ -52,8 +53,7 @@ def main() -> None:
             out.write(json.dumps({"step": step, "t": time.time(), "pid": os.getpid(),
                                   "reduced": int(total.item()), "preloaded": TORCH_PRELOADED,
                                   **env}) + "\n")
-            if not (args.fast_file and os.path.exists(args.fast_file)):
-                time.sleep(args.step_time)
+            pause(args.step_time, args.fast_file)
     dist.destroy_process_group()
 
 

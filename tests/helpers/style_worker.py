@@ -11,19 +11,14 @@ A fault armed by the harness (Job.fail_worker) ends its rank as it reaches its s
 
 import argparse
 import json
-import os
 import time
 
 import torch
 import torch.distributed as dist
 from injected_fault import fail_if_armed
+from pacing import pause
 
 import elastic_runner as er
-
-
-def pause(args) -> None:
-    if not (args.fast_file and os.path.exists(args.fast_file)):
-        time.sleep(args.step_time)
 
 
 def main() -> None:
@@ -50,7 +45,7 @@ def main() -> None:
                 ones = torch.ones(1)
                 dist.all_reduce(ones)
                 log(step, [])
-                pause(args)
+                pause(args.step_time, args.fast_file)
             return
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
@@ -76,7 +71,7 @@ def main() -> None:
                 dist.all_reduce(param.grad)
             optimizer.step()
             log(step, indices)
-            pause(args)
+            pause(args.step_time, args.fast_file)
             if args.style == "due" and ckpt.due(step):
                 ckpt.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict(),
                                  "sampler": sampler.state_dict()})
