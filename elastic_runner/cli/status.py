@@ -283,8 +283,9 @@ def watch(client, console, args) -> int:
     changes: queue.Queue = queue.Queue()
     prefix = run_prefix(args.run_id) if args.run_id else f"{p.SCHEMA_PREFIX}/"
     _, revision = client.get_prefix(prefix + "\0")  # just the store revision
+    # A compaction the watch resumed past hid changes: draw again, from a new read.
     handle = client.watch_prefix(prefix, revision + 1, lambda evs: changes.put(
-        [e for e in evs if not is_store_key(e.key)]))
+        [e for e in evs if not is_store_key(e.key)]), on_compacted=lambda _: changes.put([True]))
     try:
         while True:
             if console.is_terminal and not args.json:

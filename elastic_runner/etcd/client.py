@@ -289,17 +289,26 @@ class EtcdClient:
 
     # ---- watches ----------------------------------------------------------------
     def watch_prefix(self, prefix: str, start_revision: int,
-                     on_events: Callable[[list[WatchEvent]], None]) -> "PrefixWatch":
-        watch = PrefixWatch(lambda: self._client, prefix, start_revision, on_events)
+                     on_events: Callable[[list[WatchEvent]], None],
+                     on_compacted: Callable[[int], None] | None = None) -> "PrefixWatch":
+        """`on_compacted(revision)`: see PrefixWatch; the caller must read again."""
+        watch = PrefixWatch(lambda: self._client, prefix, start_revision, on_events,
+                            on_compacted=on_compacted)
         watch.start()
         return watch
 
     def watch_range(self, start: str, end: str, start_revision: int,
-                    on_events: Callable[[list[WatchEvent]], None]) -> "PrefixWatch":
+                    on_events: Callable[[list[WatchEvent]], None],
+                    on_compacted: Callable[[int], None] | None = None) -> "PrefixWatch":
         """Watch the keys in [start, end): several neighbouring keys on one stream."""
-        watch = PrefixWatch(lambda: self._client, start, start_revision, on_events, end)
+        watch = PrefixWatch(lambda: self._client, start, start_revision, on_events, end,
+                            on_compacted=on_compacted)
         watch.start()
         return watch
+
+    def compact(self, revision: int) -> None:
+        """Drop the history before `revision` (what etcd's auto-compaction does)."""
+        self._retrying(lambda: self._client.compact(revision), "a compaction")
 
 
 class _Transient(Exception):
@@ -379,6 +388,10 @@ class PrefixWatch:
 
     The library does not resume a watch after its stream breaks; we re-create it
     from the last delivered revision + 1, so no event is lost or delivered twice.
+    If etcd compacted that revision meanwhile (keys quiet for longer than its
+    auto-compaction keeps), those events are gone and re-creating it failed forever:
+    `on_compacted(revision)`, called in our thread (the owner reads its keys again
+    and may watch anew there), and we go on from the oldest revision etcd still has.
     """
 
     # A getter, not the client: after a re-authentication the facade holds a
@@ -389,6 +402,8 @@ class PrefixWatch:
     on_events: Callable[[list[WatchEvent]], None]
     # The end of the watched range (exclusive); None watches `prefix` as a prefix.
     range_end: str | None = None
+    on_compacted: Callable[[int], None] | None = None
+    _compacted_at: int = 0  # set by the library's thread, handled by ours (see above)
     _stopped: threading.Event = field(default_factory=threading.Event)
     _broken: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -419,12 +434,26 @@ class PrefixWatch:
                 if self._stopped.is_set():  # cancelled while it was being created
                     self._watch_client.cancel_watch(self._watch_id)
                     return
+            except etcd_exc.RevisionCompactedError as exc:
+                self._compacted_at = exc.compacted_revision
             except Exception as exc:  # server down: retry until cancelled
                 log.debug("watch on %s not created (%s); retrying", self.prefix, exc)
                 self._stopped.wait(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
-            self._broken.wait()
+            else:
+                self._broken.wait()
+            if self._compacted_at and not self._stopped.is_set():
+                self._resume_after_compaction()
+
+    def _resume_after_compaction(self) -> None:
+        compacted, self._compacted_at = self._compacted_at, 0
+        log.warning("etcd compacted its history up to revision %d before our watch of %s "
+                    "resumed at %d; reading those keys again", compacted, self.prefix,
+                    self.next_revision)
+        self.next_revision = compacted
+        if self.on_compacted is not None:
+            self.on_compacted(compacted)
 
     def _create(self, client: pyetcd.MultiEndpointEtcd3Client) -> int:
         if self.range_end is None:
@@ -434,6 +463,10 @@ class PrefixWatch:
                                          start_revision=self.next_revision)
 
     def _deliver(self, response) -> None:
+        if isinstance(response, etcd_exc.RevisionCompactedError):
+            self._compacted_at = response.compacted_revision
+            self._broken.set()
+            return
         if isinstance(response, BaseException) or response is None:
             log.debug("watch on %s broke (%s); re-creating from revision %d",
                       self.prefix, response, self.next_revision)

@@ -22,11 +22,15 @@ deputies) widen their copy to the whole prefix.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable, Sequence
 
+from elastic_runner.errors import EtcdError
 from elastic_runner.etcd.client import EtcdClient, KeyValue, WatchEvent
+
+log = logging.getLogger(__name__)
 
 
 class PrefixMirror:
@@ -53,6 +57,9 @@ class PrefixMirror:
         self._generation = 0
         self._changed = threading.Condition()
         self._watch = None
+        self._stopped = False
+        # One resync at a time: the engine's and a compacted watch's could overlap.
+        self._resync_lock = threading.Lock()
         # Which watch feeds the copy: events of an earlier one (cancelled by a resync,
         # still delivering for a moment, or over other keys) must not be applied.
         self._epoch = 0
@@ -101,11 +108,17 @@ class PrefixMirror:
         def apply(events: list[WatchEvent]) -> None:
             self._apply(events, epoch)
         if self._narrow is None:
-            self._watch = self._client.watch_prefix(self.prefix, revision + 1, apply)
+            self._watch = self._client.watch_prefix(self.prefix, revision + 1, apply,
+                                                    self._read_again_after_compaction)
         else:
-            self._watch = self._client.watch_range(*self._narrow, revision + 1, apply)
+            self._watch = self._client.watch_range(*self._narrow, revision + 1, apply,
+                                                   self._read_again_after_compaction)
 
     def stop(self) -> None:
+        self._stopped = True
+        self._cancel_watch()
+
+    def _cancel_watch(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
 
@@ -116,9 +129,26 @@ class PrefixMirror:
         with pyetcd when several watches share one client and a create times
         out) would otherwise go on reporting live nodes as gone.
         """
-        self.stop()
-        self.start()
+        with self._resync_lock:
+            self._cancel_watch()
+            self.start()
         self.wake()
+
+    def _read_again_after_compaction(self, revision: int) -> None:
+        """Our watch resumed past events etcd had already compacted (a stream broken
+        after a long quiet): only a new read tells what changed meanwhile. Runs in the
+        old watch's own thread, and tries until etcd answers: nothing else would bring
+        a copy back that nobody compares with etcd (a non-deciding agent's)."""
+        backoff_s = 0.1
+        while not self._stopped:
+            try:
+                self.resync()
+                return
+            except EtcdError as exc:
+                log.warning("reading %s again after etcd's compaction failed (%s); "
+                            "retrying in %.1f s", self.prefix, exc, backoff_s)
+                time.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 2.0)
 
     def _apply(self, events: list[WatchEvent], epoch: int) -> None:
         now = self._clock()

@@ -187,7 +187,8 @@ class EtcdStore(Store):
             if any(e.kind == "put" and e.key in wanted for e in events):
                 arrived.set()
 
-        watch = self._client.watch_prefix(_common_prefix(wanted), revision + 1, on_events)
+        watch = self._client.watch_prefix(_common_prefix(wanted), revision + 1, on_events,
+                                          on_compacted=lambda _: arrived.set())  # read again
         try:
             while len(found) < len(set(keys)):
                 remaining = deadline - time.monotonic()

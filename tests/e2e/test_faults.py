@@ -54,6 +54,27 @@ def test_short_etcd_restart_does_not_disturb_training_a_long_outage_stops_then_r
     assert all(p.poll() is None for p in job.agents.values()), "long outage: an agent ended"
 
 
+def test_a_join_after_etcd_compacted_its_history_and_restarted_still_resizes(job, etcd):
+    """etcd compacts its history (auto-compaction: hourly in our Kubernetes template)
+    past where the agents' watches stand after a quiet spell, then a restart breaks
+    every watch stream: their resume revision is gone. Before, each watch retried it
+    forever, the agents never saw another change and the newcomer waited alone."""
+    job.start("a", "b")
+    formed = job.wait_world(4)
+    client = EtcdClient(EtcdConfig((etcd.endpoint,), timeout_s=2.0, retry_deadline_s=15.0))
+    for i in range(50):  # another run's writes move the revision on; this run is quiet
+        revision = client.put(f"/elsewhere/{i}", b"x")
+    client.compact(revision)
+    client.close()
+    etcd.stop()
+    etcd.start()
+    job.start("c")
+    rows = job.wait_world(6, after=time.time(), timeout=60)
+    assert int(rows[0]["ELASTIC_RUN_ROUND"]) > int(formed[0]["ELASTIC_RUN_ROUND"])
+    assert any("etcd compacted its history" in job.agent_log(node) for node in ("a", "b"))
+    assert all(p.poll() is None for p in job.agents.values())
+
+
 @pytest.fixture
 def etcd_cluster(tmp_path):
     with EmbeddedEtcdCluster(3, data_parent=tmp_path) as cluster:

@@ -10,7 +10,7 @@ import pytest
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import EtcdError, EtcdUnavailable, LeaseNotFound
 from elastic_runner.etcd.client import (
-    Delete, EtcdClient, Get, Nested, Put, key_missing, mod_revision_is, prefix_empty,
+    Delete, EtcdClient, Get, KeyValue, Nested, Put, key_missing, mod_revision_is, prefix_empty,
 )
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
@@ -132,6 +132,57 @@ def test_mirror_follows_the_prefix_across_a_server_restart(etcd_any_version):
     client.txn([key_missing("/m/gone")], [Put("/m/gone", b"x")])
     assert mirror.wait_until(lambda: mirror.get("/m/gone") is not None, timeout_s=15)
     assert sorted(kv.key for kv in mirror.children("/m/")) == ["/m/after", "/m/before", "/m/gone"]
+    mirror.stop()
+    client.close()
+
+
+def test_a_mirror_resumed_past_etcds_compaction_reads_again_and_follows_on(etcd_any_version):
+    """The watch's stream breaks after a quiet longer than etcd keeps its history
+    (auto-compaction): its resume revision is gone. Before, the watch retried that
+    revision forever and the copy never changed again."""
+    client = make_client(etcd_any_version.endpoint, deadline=15.0)
+    client.put("/m/before", b"1")
+    mirror = PrefixMirror(client, "/m/")
+    mirror.start()
+    for i in range(20):  # others' writes move the revision on while /m/ is quiet
+        revision = client.put(f"/other/{i}", b"x")
+    client.compact(revision)
+    etcd_any_version.stop()
+    etcd_any_version.start()
+    client.put("/m/after", b"2")
+    assert mirror.wait_until(lambda: mirror.get("/m/after") is not None, timeout_s=15)
+    client.put("/m/later", b"3")
+    assert mirror.wait_until(lambda: mirror.get("/m/later") is not None, timeout_s=15)
+    assert sorted(kv.key for kv in mirror.children("/m/")) == ["/m/after", "/m/before", "/m/later"]
+    mirror.stop()
+    client.close()
+
+
+def test_a_copy_whose_missed_events_were_compacted_is_read_again(etcd):
+    """What a re-read must bring back: a key written and one deleted while the watch
+    was down, both compacted away (a copy started from an old snapshot stands in for
+    a watch that was down: the same events are missing)."""
+    client = make_client(etcd.endpoint)
+    stale_revision = client.put("/n/gone", b"1")
+    client.put("/n/new", b"2")
+    client.txn([], [Delete("/n/gone")])
+    revision = client.put("/other", b"x")
+    client.compact(revision)
+    compactions = []
+    watch = client.watch_prefix("/n/", stale_revision + 1, lambda events: None,
+                                on_compacted=compactions.append)
+    mirror = PrefixMirror(client, "/n/", narrow=("/n/", "/n0"))
+    mirror.start(snapshot=([KeyValue("/n/gone", b"1", stale_revision, stale_revision, 1, 0)],
+                           stale_revision))
+    assert mirror.wait_until(lambda: mirror.get("/n/new") is not None, timeout_s=15)
+    assert [kv.key for kv in mirror.children("/n/")] == ["/n/new"]
+    deadline = time.monotonic() + 10
+    while not compactions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert compactions == [revision]
+    client.put("/n/after", b"3")
+    assert mirror.wait_until(lambda: mirror.get("/n/after") is not None, timeout_s=15)
+    watch.cancel()
     mirror.stop()
     client.close()
 

@@ -61,8 +61,8 @@ class WatchedClient:
         self.found.append({kv.key.rsplit("/", 1)[-1] for kv in entries})
         return entries, revision
 
-    def watch_prefix(self, *args):
-        watch = self._client.watch_prefix(*args)
+    def watch_prefix(self, *args, **kwargs):
+        watch = self._client.watch_prefix(*args, **kwargs)
         self.watching.set()
         return watch
 
