@@ -145,6 +145,10 @@ class EtcdClient:
             # By code and text: NOT_FOUND also answers for other missing things (members).
             return LeaseNotFound(f"etcd at {self._endpoint_text} no longer has the lease "
                                  f"named in {what}: {detail}")
+        if "database space exceeded" in (detail or ""):  # its NOSPACE alarm: writes refused
+            return EtcdError(f"etcd at {self._endpoint_text} is full and refused {what} ({detail}): "
+                             "compact and defragment it, then `etcdctl alarm disarm`; turn on "
+                             "its --auto-compaction-retention or raise --quota-backend-bytes")
         return EtcdError(f"etcd at {self._endpoint_text} answered {what} with an error: {detail}")
 
     def _tls_problem(self) -> tuple[str, str] | None:
@@ -292,17 +296,15 @@ class EtcdClient:
                      on_events: Callable[[list[WatchEvent]], None],
                      on_compacted: Callable[[int], None] | None = None) -> "PrefixWatch":
         """`on_compacted(revision)`: see PrefixWatch; the caller must read again."""
-        watch = PrefixWatch(lambda: self._client, prefix, start_revision, on_events,
-                            on_compacted=on_compacted)
-        watch.start()
-        return watch
+        return self.watch_range(prefix, None, start_revision, on_events, on_compacted)
 
-    def watch_range(self, start: str, end: str, start_revision: int,
+    def watch_range(self, start: str, end: str | None, start_revision: int,
                     on_events: Callable[[list[WatchEvent]], None],
                     on_compacted: Callable[[int], None] | None = None) -> "PrefixWatch":
-        """Watch the keys in [start, end): several neighbouring keys on one stream."""
+        """Watch the keys in [start, end): several neighbouring keys on one stream
+        (end None: every key starting with `start`)."""
         watch = PrefixWatch(lambda: self._client, start, start_revision, on_events, end,
-                            on_compacted=on_compacted)
+                            on_compacted)
         watch.start()
         return watch
 

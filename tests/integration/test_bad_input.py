@@ -126,6 +126,23 @@ def old_schema_run(ctx: Context) -> None:
     ctx.values["endpoint"] = endpoint
 
 
+def full_etcd(ctx: Context) -> None:
+    """An etcd whose space quota is used up (its NOSPACE alarm): it refuses writes."""
+    from elastic_runner.config import EtcdConfig
+    from elastic_runner.errors import EtcdError
+    from elastic_runner.etcd.client import EtcdClient
+    from elastic_runner.etcd.server import EmbeddedEtcd
+
+    server = ctx.stack.enter_context(
+        EmbeddedEtcd(extra_args=("--quota-backend-bytes", str(2 * 1024 * 1024))))
+    client = EtcdClient(EtcdConfig((server.endpoint,), 2.0, 5.0))
+    ctx.stack.callback(client.close)
+    with pytest.raises(EtcdError, match="space exceeded"):
+        for i in range(1000):  # 50 KB each: full after about 40
+            client.put(f"/filler/{i}", b"x" * 50_000)
+    ctx.values["endpoint"] = server.endpoint
+
+
 def env_var(name: str, value: str):
     """A setup that puts one ELASTIC_RUN_* variable in the command's environment."""
     def setup(ctx: Context) -> None:
@@ -221,6 +238,9 @@ CASES = [
                                            "--min-nodes", "1", "--max-nodes", "3",
                                            "--node-id", "agent2", c.values["sleeper"]],
                  5, ["different job", "max_nodes 2 (run) vs 3"], id="spec-mismatch"),
+    pytest.param(full_etcd, lambda c: ["--rdzv-endpoints", c.values["endpoint"], c.script],
+                 4, ["is full and refused", "alarm disarm", "--auto-compaction-retention"],
+                 id="etcd-out-of-space"),
     pytest.param(old_schema_run, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
                                             "--run-id", "old", c.script],
                  5, ["older elastic-runner", "new --run-id"], id="old-schema-keys"),
