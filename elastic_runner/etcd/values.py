@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# etcd's default --max-txn-ops: it refuses a transaction with more operations in a
+# branch ("too many operations in txn request").
+MAX_TXN_OPS = 128
+
 
 @dataclass(frozen=True)
 class KeyValue:

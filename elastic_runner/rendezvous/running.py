@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from elastic_runner.errors import EtcdError, EtcdUnavailable
 from elastic_runner.etcd.client import Get, mod_revision_is
+from elastic_runner.etcd.values import MAX_TXN_OPS
 from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
 
@@ -216,10 +217,20 @@ class WhileRunning:
 
     def _read_while_round_is(self, seen: RoundView, reads: list[Get]) -> tuple | None:
         """`reads` answered by etcd while the round key is still `seen`, else None:
-        once the next round opened, what was read for this one no longer decides."""
-        result = self._client.txn(
-            [mod_revision_is(p.round_key(self.prefix), seen.mod_revision)], reads)
-        return result.reads if result.succeeded else None
+        once the next round opened, what was read for this one no longer decides.
+
+        In transactions of at most MAX_TXN_OPS reads: etcd refuses a bigger one, and a
+        mass loss (a zone's spot nodes reclaimed at once) asks about every member lost.
+        A mod revision that held at each chunk held between them: it only grows."""
+        answers: list = []
+        for start in range(0, len(reads), MAX_TXN_OPS):
+            result = self._client.txn([mod_revision_is(p.round_key(self.prefix),
+                                                       seen.mod_revision)],
+                                      reads[start:start + MAX_TXN_OPS])
+            if not result.succeeded:
+                return None
+            answers.extend(result.reads)
+        return tuple(answers)
 
     def _reread_copy(self, missed: str) -> None:
         """A member our copy took for gone that etcd still has: the copy is wrong."""

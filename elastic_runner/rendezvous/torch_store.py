@@ -39,11 +39,10 @@ from elastic_runner.errors import EtcdError
 from elastic_runner.etcd.client import (
     Compare, Delete, EtcdClient, Put, WatchEvent, key_missing, mod_revision_is,
 )
+from elastic_runner.etcd.values import MAX_TXN_OPS  # multi_set splits bigger batches
 
 # Longest single sleep of a blocking read before it re-reads etcd itself.
 _RECHECK_S = 1.0
-# etcd's default --max-txn-ops; multi_set splits larger batches.
-_MAX_TXN_OPS = 128
 
 T = TypeVar("T")
 
@@ -90,8 +89,8 @@ class EtcdStore(Store):
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
         puts = [Put(self._key(k), as_bytes(v)) for k, v in zip(keys, values)]
-        for start in range(0, len(puts), _MAX_TXN_OPS):
-            self._client.txn([], puts[start:start + _MAX_TXN_OPS])
+        for start in range(0, len(puts), MAX_TXN_OPS):
+            self._client.txn([], puts[start:start + MAX_TXN_OPS])
 
     @_etcd_errors_as_torch
     def add(self, key: str, amount: int) -> int:

@@ -14,6 +14,7 @@ from elastic_runner.etcd.client import (
 )
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.etcd.mirror import PrefixMirror
+from elastic_runner.etcd.values import MAX_TXN_OPS
 
 
 def make_client(endpoint: str, deadline: float = 5.0) -> EtcdClient:
@@ -184,6 +185,15 @@ def test_a_copy_whose_missed_events_were_compacted_is_read_again(etcd):
     assert mirror.wait_until(lambda: mirror.get("/n/after") is not None, timeout_s=15)
     watch.cancel()
     mirror.stop()
+    client.close()
+
+
+def test_etcd_refuses_a_transaction_of_more_than_max_txn_ops_operations(etcd_any_version):
+    """The limit our chunked reads and writes keep to (MAX_TXN_OPS), on 3.4 and 3.5."""
+    client = make_client(etcd_any_version.endpoint)
+    assert len(client.txn([], [Get(f"/t/{i}") for i in range(MAX_TXN_OPS)]).reads) == MAX_TXN_OPS
+    with pytest.raises(EtcdError, match="too many operations"):
+        client.txn([], [Get(f"/t/{i}") for i in range(MAX_TXN_OPS + 1)])
     client.close()
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from elastic_runner.config import EtcdConfig, RendezvousConfig
 from elastic_runner.errors import RunFinished, SpecMismatch
-from elastic_runner.etcd.client import Delete, EtcdClient
+from elastic_runner.etcd.client import Delete, EtcdClient, Get
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous.engine import EtcdRendezvous
 
@@ -181,6 +181,23 @@ def test_the_round_a_left_out_member_opens_waits_for_it(agents):
     grown = held_by_all([a, b, c], 2)
     assert grown.node_ids == (*shrunk.node_ids, "c")
     assert p.Cause.parse(grown.cause) == p.Cause.newcomer("c")
+
+
+def test_a_read_under_the_round_asks_about_hundreds_of_members_at_once(agents):
+    """A mass loss (a zone's spot nodes reclaimed together) asks etcd about every lost
+    member under one guard, the round key's revision (`_confirm_gone`). etcd refuses
+    a transaction of more than 128 operations, so 300 reads went as one error; now
+    they go in chunks under the same guard, and a round that moved still answers None."""
+    a, b = agents("mass", "a", "b")
+    start = held_by_all([a, b], 0)
+    seen = a.rdzv.current_round()
+    ids = [f"gone-{i:03d}" for i in range(300)] + ["a", "b"]
+    reads = a.rdzv._read_while_round_is(seen, [Get(p.node_key(a.rdzv.prefix, n)) for n in ids])
+    assert [bool(read.kvs) for read in reads] == [False] * 300 + [True, True]
+    a.rdzv.suspect(start, suspicion(a))
+    held_by_all([a, b], 1)
+    assert a.rdzv._read_while_round_is(seen, [Get(p.node_key(a.rdzv.prefix, n))
+                                              for n in ids]) is None
 
 
 def test_a_suspicion_where_everyone_is_alive_drops_nobody(agents):
