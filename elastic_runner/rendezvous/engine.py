@@ -38,6 +38,7 @@ from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous import carried_plan, ranks, registration
 from elastic_runner.rendezvous.deputies import Deputies
+from elastic_runner.rendezvous.event_copy import EventCopy
 from elastic_runner.rendezvous.failures import failure_message
 from elastic_runner.rendezvous.newcomers import Newcomers
 from elastic_runner.rendezvous.running import RoundView, WhileRunning
@@ -78,6 +79,8 @@ class EtcdRendezvous(WhileRunning):
                                  config.deputies, config.write_visible_timeout_s,
                                  lease_gone=lambda why: self.lease.mark_lost(why))
         self.newcomers = Newcomers(self.mirror, config, clock, opener=self.deputies.opener)
+        self.event_copy = EventCopy(client, self.prefix, self.node_id, lambda: self.lease.id,
+                                    clock, wall_clock)
         self.lease: KeptLease | None = None
         self.shutdown = threading.Event()
         self._min_met_at: dict[int, float] = {}

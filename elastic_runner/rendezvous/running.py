@@ -23,8 +23,6 @@ from elastic_runner.rendezvous import protocol as p
 
 log = logging.getLogger(__name__)
 
-EVENT_TTL_S = 24 * 3600
-
 
 @dataclass(frozen=True)
 class RoundView:
@@ -68,10 +66,8 @@ class WhileRunning:
                                       json.dumps(failure).encode())
 
     def publish_event(self, record: dict) -> None:
-        """A copy of an event for `status`, expiring on its own after EVENT_TTL_S."""
-        lease = self._client.grant_lease(EVENT_TTL_S)
-        key = p.event_key(self.prefix, int(self._wall_clock() * 1e9), self.node_id)
-        self._client.put(key, json.dumps(record, default=str).encode(), lease=lease)
+        """A copy of an event for `status`, where it is this node's to copy (event_copy.py)."""
+        self.event_copy.publish(record)
 
     def give_notice(self, round_number: int) -> None:
         """Announce that this node is about to be reclaimed (bound to our lease)."""
