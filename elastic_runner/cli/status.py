@@ -8,8 +8,9 @@ writes to etcd.
 Choices written down here:
 - While a round is open, the members shown are those of the last closed plan
   (the workers that ran last), and the round state says "open".
-- "joined" is the time of the node's last `joined` event when the event copy in
-  etcd still has it, else the etcd revision that created its node key.
+- "joined" is when the node registered (its node key's registered_at, that
+  machine's clock; a `joined` event for agents that predate it), else the etcd
+  revision that created its node key.
 - A checkpoint's age is shown only when its record carries a time; the current
   record (url, step, sha256, world size) does not, so it is usually omitted.
 - Without --run-id every run under the schema prefix is listed. That reads the
@@ -162,7 +163,12 @@ def run_status(client, run_id: str, events: int = 10) -> dict:
     nodes = {p.node_id_from_key(kv.key): kv for kv in node_kvs}
     event_kvs, _ = client.get_prefix(p.events_prefix(prefix))
     all_events = [e for e in (_json(kv) for kv in event_kvs) if e is not None]
+    # When each node registered, from its node key; a `joined` event in etcd is from an
+    # agent older than event_copy.py, which no longer copies it.
     joined_at = {e.get("node"): e.get("time") for e in all_events if e.get("kind") == "joined"}
+    joined_at.update({node: record["registered_at"] for node, record in
+                      ((node, _json(kv) or {}) for node, kv in nodes.items())
+                      if isinstance(record.get("registered_at"), (int, float))})
     in_plan = set(plan.node_ids) if plan else set()
     return {
         "run_id": run_id,

@@ -79,8 +79,7 @@ class EtcdRendezvous(WhileRunning):
                                  config.deputies, config.write_visible_timeout_s,
                                  lease_gone=lambda why: self.lease.mark_lost(why))
         self.newcomers = Newcomers(self.mirror, config, clock, opener=self.deputies.opener)
-        self.event_copy = EventCopy(client, self.prefix, self.node_id, lambda: self.lease.id,
-                                    clock, wall_clock)
+        self.event_copy = EventCopy(client, self.prefix, self.node_id, clock, wall_clock)
         self.lease: KeptLease | None = None
         self.shutdown = threading.Event()
         self._min_met_at: dict[int, float] = {}

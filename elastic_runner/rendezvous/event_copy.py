@@ -9,8 +9,9 @@ it refuses every write). So:
 
 - a round's outcome (`JOB_WIDE`: the same on every member) is copied once, by the
   first member of that round's plan, without the member list (the plan key has it);
-- what every node does every round (`LOCAL_ONLY`) stays in its own events.jsonl;
-- a node's `joined` lives under its registration lease (it says the node is there);
+- what every node does every round (`LOCAL_ONLY`) stays in its own events.jsonl, and
+  so does `joined`: one write per node at a start, which is the costliest round for
+  etcd already; `status` reads when a node joined from its node key (registered_at);
 - the rest (notices, failures, a node's end) under one lease per agent, taken at its
   first such event and renewed by a new grant after half its TTL, not one per event.
 """
@@ -28,17 +29,18 @@ from elastic_runner.rendezvous import protocol as p
 
 EVENT_TTL_S = 24 * 3600
 JOB_WIDE = frozenset({"round_closed", "resize", "member_lost", "membership_changed"})
-LOCAL_ONLY = frozenset({"workers_started", "reform_started", "drain", "standby_ready"})
+LOCAL_ONLY = frozenset({"joined", "workers_started", "reform_started", "drain",
+                        "standby_ready"})
 # Rounds whose first member is remembered (a loss names the round before the next).
 _ROUNDS_KEPT = 4
 
 
 class EventCopy:
     def __init__(self, client: EtcdClient, prefix: str, node_id: str,
-                 node_lease: Callable[[], int], clock: Callable[[], float] = time.monotonic,
+                 clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time):
         self._client, self._prefix, self._node_id = client, prefix, node_id
-        self._node_lease, self._clock, self._wall_clock = node_lease, clock, wall_clock
+        self._clock, self._wall_clock = clock, wall_clock
         self._lock = threading.Lock()  # events come from the agent's threads
         self._first_members: dict[int, str] = {}  # round -> its plan's first node
         self._lease: tuple[int, float] | None = None  # (id, when granted)
@@ -57,9 +59,6 @@ class EventCopy:
                 record = {k: v for k, v in record.items() if k != "members"}
             value = json.dumps(record, default=str).encode()
             key = p.event_key(self._prefix, int(self._wall_clock() * 1e9), self._node_id)
-            if kind == "joined":
-                self._client.put(key, value, lease=self._node_lease())
-                return
             try:
                 self._client.put(key, value, lease=self._shared_lease())
             except LeaseNotFound:  # revoked or expired under us: once more, on a new one

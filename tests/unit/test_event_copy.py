@@ -10,9 +10,6 @@ import pytest
 from elastic_runner.errors import EtcdUnavailable, LeaseNotFound
 from elastic_runner.rendezvous.event_copy import EVENT_TTL_S, EventCopy
 
-NODE_LEASE = 7
-
-
 class Recorder:
     def __init__(self):
         self.puts: list[tuple[str, dict, int]] = []
@@ -41,8 +38,7 @@ class Clock:
 
 def copies(node: str, clock=None) -> tuple[EventCopy, Recorder]:
     client = Recorder()
-    return EventCopy(client, "/r/", node, lambda: NODE_LEASE, clock or Clock(),
-                     lambda: 1.7e9), client
+    return EventCopy(client, "/r/", node, clock or Clock(), lambda: 1.7e9), client
 
 
 def closed(number: int, *nodes: str) -> dict:
@@ -81,16 +77,16 @@ def test_what_every_node_does_every_round_stays_local():
     assert [e["kind"] for _, e, _ in client.puts] == ["round_closed"]
 
 
-def test_joined_lives_with_the_node_the_rest_share_one_lease_renewed_after_half_its_ttl():
+def test_a_nodes_own_events_share_one_lease_renewed_after_half_its_ttl():
     clock = Clock()
     copy, client = copies("a", clock)
-    copy.publish({"kind": "joined", "addr": "10.0.0.1"})
+    copy.publish({"kind": "joined", "addr": "10.0.0.1"})  # local: status reads the node key
     copy.publish({"kind": "notice", "round": 2})
     copy.publish({"kind": "worker_exited", "round": 2, "rank": 1})
     clock.now += EVENT_TTL_S / 2 + 1
     copy.publish({"kind": "finished"})
     assert [(e["kind"], lease) for _, e, lease in client.puts] == [
-        ("joined", NODE_LEASE), ("notice", 101), ("worker_exited", 101), ("finished", 102)]
+        ("notice", 101), ("worker_exited", 101), ("finished", 102)]
     assert client.grants == 2
 
 
