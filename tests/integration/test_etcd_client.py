@@ -197,6 +197,18 @@ def test_etcd_refuses_a_transaction_of_more_than_max_txn_ops_operations(etcd_any
     client.close()
 
 
+def test_a_range_read_of_more_than_grpcs_default_4_mib_is_answered(etcd):
+    """What a deputy's whole-run read holds after ~600 rounds at 1,024 nodes (each
+    round's plan about 8 KB): gRPC's default limit refused it ('Received message
+    larger than max')."""
+    client = make_client(etcd.endpoint)
+    for number in range(600):
+        client.put(f"/run/rounds/{number:06d}/plan", b"x" * 8300)
+    kvs, _ = client.get_prefix("/run/")
+    assert len(kvs) == 600 and sum(len(kv.value) for kv in kvs) > 4 * 2**20
+    client.close()
+
+
 def test_mirror_indexes_directories_and_counts_departures(etcd):
     client = make_client(etcd.endpoint)
     for name in ("a", "b", "c"):
