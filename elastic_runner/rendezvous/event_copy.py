@@ -41,29 +41,31 @@ class EventCopy:
                  wall_clock: Callable[[], float] = time.time):
         self._client, self._prefix, self._node_id = client, prefix, node_id
         self._clock, self._wall_clock = clock, wall_clock
-        self._lock = threading.Lock()  # events come from the agent's threads
+        self._lock = threading.Lock()  # guards _first_members: events come from several threads
         self._first_members: dict[int, str] = {}  # round -> its plan's first node
         self._lease: tuple[int, float] | None = None  # (id, when granted)
 
     def publish(self, record: dict) -> None:
-        """Copy `record` to etcd if this node is the one to (module docstring)."""
+        """Copy `record` to etcd if this node is the one to (module docstring). Called
+        inline by EventLog.emit, also on the pause's path: a local-only event takes no
+        lock, and no lock is held over a request to etcd."""
         kind, number = record.get("kind"), record.get("round")
-        with self._lock:
-            if kind == "round_closed" and record.get("members"):
-                self._remember_first(number, record["members"][0]["node"])
-            if kind in LOCAL_ONLY:
-                return
-            if kind in JOB_WIDE:
+        if kind in LOCAL_ONLY:
+            return
+        if kind in JOB_WIDE:
+            with self._lock:
+                if kind == "round_closed" and record.get("members"):
+                    self._remember_first(number, record["members"][0]["node"])
                 if self._first_members.get(number) != self._node_id:
                     return
-                record = {k: v for k, v in record.items() if k != "members"}
-            value = json.dumps(record, default=str).encode()
-            key = p.event_key(self._prefix, int(self._wall_clock() * 1e9), self._node_id)
-            try:
-                self._client.put(key, value, lease=self._shared_lease())
-            except LeaseNotFound:  # revoked or expired under us: once more, on a new one
-                self._lease = None
-                self._client.put(key, value, lease=self._shared_lease())
+            record = {k: v for k, v in record.items() if k != "members"}
+        value = json.dumps(record, default=str).encode()
+        key = p.event_key(self._prefix, int(self._wall_clock() * 1e9), self._node_id)
+        try:
+            self._client.put(key, value, lease=self._shared_lease())
+        except LeaseNotFound:  # revoked or expired under us: once more, on a new one
+            self._lease = None
+            self._client.put(key, value, lease=self._shared_lease())
 
     def _remember_first(self, number: int, node: str) -> None:
         self._first_members[number] = node
@@ -71,6 +73,8 @@ class EventCopy:
             del self._first_members[old]
 
     def _shared_lease(self) -> int:
-        if self._lease is None or self._clock() - self._lease[1] > EVENT_TTL_S / 2:
-            self._lease = (self._client.grant_lease(EVENT_TTL_S), self._clock())
-        return self._lease[0]
+        lease = self._lease
+        if lease is None or self._clock() - lease[1] > EVENT_TTL_S / 2:
+            # Two threads may both grant one here (rare): the spare expires unused.
+            lease = self._lease = (self._client.grant_lease(EVENT_TTL_S), self._clock())
+        return lease[0]
