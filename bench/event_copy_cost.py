@@ -108,6 +108,8 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=8, help="client threads sending")
     args = parser.parse_args()
+    if args.nodes < 1 or args.threads < 1:
+        parser.error("--nodes and --threads need a whole number of at least 1")
     rows = [measure(policy, args.nodes, args.threads)
             for policy in ("every node, every event", "EventCopy")]
     closed_bytes = len(json.dumps(round_events(args.nodes, "node-0000")[1]))

@@ -26,6 +26,7 @@ def test_a_missing_etcd_binary_is_one_line_before_any_set_up(script, tmp_path):
 @pytest.mark.parametrize("script, argv, message", [
     ("start_join.py", ["--variants", "er,er-nope"], "unknown variant(s) er-nope; choose from"),
     ("chaos_soak.py", ["--defer-group"], "--defer-group needs --script inproc"),
+    ("event_copy_cost.py", ["--nodes", "0"], "--nodes and --threads need a whole number"),
 ])
 def test_a_bench_refuses_what_it_cannot_run_in_one_line(script, argv, message):
     done = subprocess.run([sys.executable, str(BENCH / script), *argv],
