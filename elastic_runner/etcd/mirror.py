@@ -116,7 +116,8 @@ class PrefixMirror:
 
     def stop(self) -> None:
         self._stopped = True
-        self._cancel_watch()
+        with self._resync_lock:  # a resync under way ends first, and none starts after
+            self._cancel_watch()
 
     def _cancel_watch(self) -> None:
         if self._watch is not None:
@@ -130,6 +131,8 @@ class PrefixMirror:
         out) would otherwise go on reporting live nodes as gone.
         """
         with self._resync_lock:
+            if self._stopped:  # no new watch for a copy nobody reads any more
+                return
             self._cancel_watch()
             self.start()
         self.wake()

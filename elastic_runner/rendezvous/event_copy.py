@@ -3,9 +3,9 @@
 Why it is not every event of every node: at 1,024 nodes one in-place round's events
 were three per node (reform_started, round_closed, resize), each under a lease of its
 own, and round_closed carried the plan's whole member list (75 KB). Measured on this
-machine: 2.35 s of etcd CPU and 81 MB of etcd's space per round, five times the
-round's rendezvous, and etcd's default 2 GiB quota full after about 25 rounds (then
-it refuses every write). So:
+machine (bench/event_copy_cost.py): 2.8-3.2 s of etcd CPU and 81 MB of etcd's space
+per round, five to ten times the round's rendezvous, and etcd's default 2 GiB quota
+full after about 25 rounds (then it refuses every write). So:
 
 - a round's outcome (`JOB_WIDE`: the same on every member) is copied once, by the
   first member of that round's plan, without the member list (the plan key has it);
