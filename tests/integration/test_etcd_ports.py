@@ -48,8 +48,11 @@ def test_a_port_taken_before_etcd_binds_it_moves_a_fresh_member(monkeypatch):
 
 def test_a_port_the_caller_chose_is_never_moved():
     taken = _listening_socket()
+    member = EmbeddedEtcd(client_port=taken.getsockname()[1])
     try:
         with pytest.raises(EtcdUnavailable, match="exited with code"):
-            EmbeddedEtcd(client_port=taken.getsockname()[1]).start()
+            member.start()
     finally:
+        member.cleanup()  # its data folder (the failed start's log): one left per suite run
         taken.close()
+    assert not member.data_dir.exists()
