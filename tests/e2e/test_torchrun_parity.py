@@ -54,7 +54,8 @@ def run_probe(launcher: list[str], script: Path, out: Path) -> dict[int, dict[st
 def test_environment_matches_torchrun_key_by_key(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    torchrun = run_probe([sys.executable, "-m", "torch.distributed.run", "--standalone"],
+    torchrun = run_probe([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--log-dir", str(tmp_path / "torchrun-logs")],  # not /tmp
                          script, tmp_path / "torchrun")
     ours = run_probe([sys.executable, "-m", "elastic_runner", "-q"], script, tmp_path / "er")
     for rank in (0, 1):

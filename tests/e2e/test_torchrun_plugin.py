@@ -47,10 +47,12 @@ dist.destroy_process_group()
 
 
 def torchrun(endpoint: str, script: Path, steps: Path, *script_args: str) -> list[str]:
+    # --log-dir: without it torch leaves an empty torchelastic_* folder in /tmp per run.
     return [sys.executable, "-m", "torch.distributed.run",
             "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", "torchrun-e2e",
             "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3",
             "--monitor-interval", "0.2", "--rdzv-conf", "lease_ttl=2,settle=1",
+            "--log-dir", str(steps.parent / "torchrun-logs"),
             str(script), str(steps), *script_args]
 
 
