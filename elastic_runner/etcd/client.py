@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 # The agent forks workers while gRPC threads run; gRPC's fork handlers only log
@@ -33,6 +32,7 @@ from elastic_runner.errors import (
 from elastic_runner.etcd.endpoints import parse_endpoint
 from elastic_runner.etcd.keepalive import KeepAliveStream, StreamEnded
 from elastic_runner.etcd.tls import tls_problem
+from elastic_runner.etcd.watch import Compacted, PrefixWatch
 from elastic_runner.etcd.values import (
     Compare, Delete, Get, KeyValue, Nested, Put, Read, TxnResult, WatchEvent,
     key_missing, mod_revision_is, prefix_empty,
@@ -306,10 +306,24 @@ class EtcdClient:
                     on_compacted: Callable[[int], None] | None = None) -> "PrefixWatch":
         """Watch the keys in [start, end): several neighbouring keys on one stream
         (end None: every key starting with `start`)."""
-        watch = PrefixWatch(lambda: self._client, start, start_revision, on_events, end,
-                            on_compacted)
+        watch = PrefixWatch(self._open_watch, _read_delivery, start, start_revision, on_events,
+                            end, on_compacted)
         watch.start()
         return watch
+
+    def _open_watch(self, start: str, end: str | None, revision: int,
+                    deliver: Callable) -> Callable[[], None]:
+        """watch.py's OpenWatch, on the client current now (re-authentication replaces it)."""
+        client = self._client
+        try:
+            if end is None:
+                watch_id = client.add_watch_prefix_callback(start, deliver, start_revision=revision)
+            else:
+                watch_id = client.add_watch_callback(start, deliver, range_end=end,
+                                                     start_revision=revision)
+        except etcd_exc.RevisionCompactedError as exc:
+            raise Compacted(exc.compacted_revision) from exc
+        return lambda: client.cancel_watch(watch_id)
 
     def compact(self, revision: int) -> None:  # what etcd's auto-compaction does
         self._retrying(lambda: self._client.compact(revision), "a compaction")
@@ -386,100 +400,13 @@ def _op_message(op: Put | Delete | Get | Nested):
     return etcdrpc.RequestOp(request_delete_range=request)
 
 
-@dataclass
-class PrefixWatch:
-    """A prefix watch that survives server restarts and stream errors.
-
-    The library does not resume a watch after its stream breaks; we re-create it
-    from the last delivered revision + 1, so no event is lost or delivered twice.
-    If etcd compacted that revision meanwhile (keys quiet for longer than its
-    auto-compaction keeps), those events are gone and re-creating it failed forever:
-    `on_compacted(revision)`, called in our thread (the owner reads its keys again
-    and may watch anew there), and we go on from the oldest revision etcd still has.
-    """
-
-    # A getter, not the client: after a re-authentication the facade holds a
-    # new client, and a re-created watch must use it.
-    current_client: Callable[[], pyetcd.MultiEndpointEtcd3Client]
-    prefix: str
-    next_revision: int
-    on_events: Callable[[list[WatchEvent]], None]
-    # The end of the watched range (exclusive); None watches `prefix` as a prefix.
-    range_end: str | None = None
-    on_compacted: Callable[[int], None] | None = None
-    _compacted_at: int = 0  # set by the library's thread, handled by ours (see above)
-    _stopped: threading.Event = field(default_factory=threading.Event)
-    _broken: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-    _watch_id: int | None = None
-    _watch_client: pyetcd.MultiEndpointEtcd3Client | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"watch {self.prefix}", daemon=True)
-        self._thread.start()
-
-    def cancel(self) -> None:
-        self._stopped.set()
-        self._broken.set()
-        if self._watch_id is not None:
-            try:
-                self._watch_client.cancel_watch(self._watch_id)
-            except Exception:  # the stream may already be gone
-                log.debug("watch cancel failed", exc_info=True)
-
-    def _run(self) -> None:
-        backoff = 0.05
-        while not self._stopped.is_set():
-            self._broken.clear()
-            try:
-                self._watch_client = self.current_client()
-                self._watch_id = self._create(self._watch_client)
-                backoff = 0.05
-                if self._stopped.is_set():  # cancelled while it was being created
-                    self._watch_client.cancel_watch(self._watch_id)
-                    return
-            except etcd_exc.RevisionCompactedError as exc:
-                self._compacted_at = exc.compacted_revision
-            except Exception as exc:  # server down: retry until cancelled
-                log.debug("watch on %s not created (%s); retrying", self.prefix, exc)
-                self._stopped.wait(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            else:
-                self._broken.wait()
-            if self._compacted_at and not self._stopped.is_set():
-                self._resume_after_compaction()
-
-    def _resume_after_compaction(self) -> None:
-        compacted, self._compacted_at = self._compacted_at, 0
-        log.warning("etcd compacted its history up to revision %d before our watch of %s "
-                    "resumed at %d; reading those keys again", compacted, self.prefix,
-                    self.next_revision)
-        self.next_revision = compacted
-        if self.on_compacted is not None:
-            self.on_compacted(compacted)
-
-    def _create(self, client: pyetcd.MultiEndpointEtcd3Client) -> int:
-        if self.range_end is None:
-            return client.add_watch_prefix_callback(self.prefix, self._deliver,
-                                                    start_revision=self.next_revision)
-        return client.add_watch_callback(self.prefix, self._deliver, range_end=self.range_end,
-                                         start_revision=self.next_revision)
-
-    def _deliver(self, response) -> None:
-        if isinstance(response, etcd_exc.RevisionCompactedError):
-            self._compacted_at = response.compacted_revision
-            self._broken.set()
-            return
-        if isinstance(response, BaseException) or response is None:
-            log.debug("watch on %s broke (%s); re-creating from revision %d",
-                      self.prefix, response, self.next_revision)
-            self._broken.set()
-            return
-        events = [_to_event(e) for e in response.events]
-        if events:
-            self.next_revision = events[-1].mod_revision + 1
-            self.on_events(events)
+def _read_delivery(response) -> list[WatchEvent] | None:
+    """What pyetcd delivered to a watch callback (watch.py's ReadDelivery)."""
+    if isinstance(response, etcd_exc.RevisionCompactedError):
+        raise Compacted(response.compacted_revision)
+    if isinstance(response, BaseException) or response is None:
+        return None
+    return [_to_event(e) for e in response.events]
 
 
 def _open_keepalive_stream(client: pyetcd.MultiEndpointEtcd3Client, requests):

@@ -50,7 +50,7 @@ def test_json_shows_members_round_and_events(job):
     assert [e["kind"] for e in view["events"]] == ["round_closed"]  # a's own: its file only
 
 
-def test_the_etcd_copy_holds_each_rounds_outcome_once_and_each_nodes_join(job):
+def test_the_etcd_copy_holds_each_rounds_outcome_once_and_no_routine_event(job):
     """Three nodes: each round_closed once, from its plan's first member and without the
     member list; nothing every node does every round, nor `joined` (status reads the
     node key's registered_at). Before, every node copied every event under a lease of
