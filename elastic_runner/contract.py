@@ -128,7 +128,7 @@ _VARIABLES = {
     "events_path": "ELASTIC_RUN_EVENTS_PATH",
     "reform_dir": "ELASTIC_RUN_REFORM_DIR", "collective_timeout_s": "ELASTIC_RUN_COLLECTIVE_TIMEOUT",
     "standby": "ELASTIC_RUN_STANDBY", "formation_timeout_s": "ELASTIC_RUN_FORMATION_TIMEOUT",
-    "quick_exit": "ELASTIC_RUN_QUICK_EXIT",
+    "quick_exit": "ELASTIC_RUN_QUICK_EXIT", "record_socket": "ELASTIC_RUN_RECORD_SOCKET",
 }
 # What places a worker in a round: a standby worker (reform.py) is started without them.
 PLACEMENT_FIELDS = ("rank", "world_size", "group_rank", "group_world_size", "role_rank",
@@ -186,6 +186,9 @@ class WorkerEnv:
     # A worker that stops for a resize skips the interpreter's teardown
     # (worker/quick_exit.py): its agent waits for the process to end.
     quick_exit: bool = False
+    # Where the agent answers for the checkpoint record (record_relay.py); empty: the
+    # worker reads etcd itself.
+    record_socket: str = ""
 
     def to_env(self) -> dict[str, str]:
         """The variables to set; empty optional values are left out, as torchrun does."""

@@ -19,13 +19,13 @@ a notice file its workers check at each step boundary (see runtime.py), so rank
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from elastic_runner import contract, reform
 from elastic_runner.agent import deferred, drain
@@ -36,7 +36,7 @@ from elastic_runner.agent.prewarm import WarmPool
 from elastic_runner.agent.reform_driver import (
     InProcessReform, ReformBounds, ReformContext,
 )
-from elastic_runner.agent.scratch import create_scratch, remove_orphans
+from elastic_runner.agent.scratch import PasswordFile, create_scratch, remove_orphans
 from elastic_runner.agent.signal_relay import SignalRelay
 from elastic_runner.agent.standby import WarmStart
 from elastic_runner.config import AgentConfig, EtcdConfig
@@ -48,7 +48,10 @@ from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.events import EVENTS_FILE, EventLog
 from elastic_runner.rendezvous.failures import describe_exit, failure_message
 from elastic_runner.rendezvous.engine import EtcdRendezvous
-from elastic_runner.rendezvous.protocol import FINISHED, Cause, CauseKind, JobSpec, Plan
+from elastic_runner.rendezvous.protocol import (
+    FINISHED, Cause, CauseKind, JobSpec, Plan, checkpoint_key,
+)
+from elastic_runner.record_relay import RecordRelay, read_json
 from elastic_runner.rendezvous.ranks import plan_problem
 from elastic_runner.agent.workers import WorkerExit, WorkerGroup, job_env, standby_env
 
@@ -75,7 +78,8 @@ class Agent:
 
     def __init__(self, config: AgentConfig, rendezvous: Rendezvous, etcd: EtcdConfig,
                  base_env: dict[str, str], start_workers: StartWorkers = WorkerGroup.start,
-                 cloud_watcher: NoticeWatcher | None = None):
+                 cloud_watcher: NoticeWatcher | None = None,
+                 read_record: Callable[[], dict | None] | None = None):
         self._config = config
         self._rdzv_config = config.rendezvous
         self.rendezvous = rendezvous
@@ -92,10 +96,12 @@ class Agent:
         self.events = EventLog(config.rendezvous.node_id, config.rendezvous.run_id,
                                log_dir / EVENTS_FILE if log_dir else None,
                                publish=self.rendezvous.publish_event)
-        self._etcd_password = etcd.password
-        self._password_file = self._scratch / contract.PASSWORD_FILE
+        self._password_file = PasswordFile(self._scratch / contract.PASSWORD_FILE, etcd.password)
         self._base_env = dict(base_env)
-        self._job = job_env(config, etcd, self._scratch, self.events.path)
+        # Its workers ask it for the checkpoint record, not etcd (record_relay.py).
+        self._record_relay = RecordRelay.start(self._scratch, read_record) if read_record else None
+        self._job = job_env(config, etcd, self._scratch, self.events.path,
+                            self._record_relay.path if self._record_relay else None)
         self._cloud_watcher = cloud_watcher
         self._signal: int | None = None
         self._signal_relay: SignalRelay | None = None
@@ -131,7 +137,8 @@ class Agent:
         watcher = (CloudNoticeWatcher(config.cloud_notice, on_notice=rendezvous.wake)
                    if config.cloud_notice is not None else None)
         remove_orphans()  # scratch folders of agents on this machine that were killed
-        return cls(config, rendezvous, etcd, base_env, WorkerGroup.start, watcher)
+        return cls(config, rendezvous, etcd, base_env, WorkerGroup.start, watcher,
+                   read_json(client, checkpoint_key(rdzv.prefix)))
 
     # ---- signals ----------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -196,13 +203,14 @@ class Agent:
             self._standby = None
         if self._prewarm:
             self._prewarm.close()
-        if self._signal_relay is not None:
-            self._signal_relay.close()
-            self._signal_relay = None
+        for relay in (self._signal_relay, self._record_relay):
+            if relay is not None:
+                relay.close()
+        self._signal_relay = self._record_relay = None
         shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _start_standby(self) -> Workers:
-        self._write_password_file()  # their er.init() reads it, before any round
+        self._password_file.write()  # their er.init() reads it, before any round
         return self._start_workers(None, self._rdzv_config.node_id, self._job,
                                    self._config.workers, self._base_env,
                                    echo=self._config.verbosity >= 1, error_dir=self._error_dir,
@@ -220,7 +228,7 @@ class Agent:
             except EtcdUnavailable as exc:
                 self._wait_for_etcd(exc)
                 continue
-            self._write_password_file()
+            self._password_file.write()
             group = self._start(plan, previous, self._paused_at)
             self._plan = plan
             try:
@@ -233,7 +241,7 @@ class Agent:
                 self._wait_for_etcd(exc)
                 cause = Cause(CauseKind.ETCD_OUTAGE)
             finally:
-                self._password_file.unlink(missing_ok=True)
+                self._password_file.remove()
             previous = self._plan
 
     def _train(self, group: Workers) -> Outcome:
@@ -295,17 +303,6 @@ class Agent:
             self._drain(group, "a node joins")
         group.stop(self._config.workers.stop_grace_s)
         return cause
-
-    def _write_password_file(self) -> None:
-        """Workers read the etcd password from a file only this user can read, never
-        from their environment (which /proc/PID/environ and crash reporters expose);
-        it lives for one round."""
-        if not self._etcd_password:
-            return
-        self._password_file.unlink(missing_ok=True)
-        handle = os.open(self._password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(handle, "w") as out:
-            out.write(self._etcd_password)
 
     def _wait_for_etcd(self, error: EtcdUnavailable) -> None:
         wait_for_etcd(self.rendezvous, self.events, self._signal_seen,

@@ -54,6 +54,26 @@ def remove_orphans(parent: Path | None = None) -> list[Path]:
     return removed
 
 
+class PasswordFile:
+    """Workers read the etcd password from a file only this user can read, never from
+    their environment (which /proc/PID/environ and crash reporters expose); it lives
+    for one round. No password: no file."""
+
+    def __init__(self, path: Path, password: str | None):
+        self.path, self._password = path, password
+
+    def write(self) -> None:
+        if not self._password:
+            return
+        self.remove()
+        handle = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(handle, "w") as out:
+            out.write(self._password)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def owner_of(pid: int) -> dict | None:
     """What identifies process `pid` across pid reuse; None when it is gone."""
     fields = stat_fields(pid)

@@ -328,7 +328,7 @@ class WorkerGroup:
 
 
 def job_env(config: AgentConfig, etcd: EtcdConfig, scratch: Path,
-            events_path: Path | None) -> WorkerEnv:
+            events_path: Path | None, record_socket: Path | None = None) -> WorkerEnv:
     """What every worker of this node shares; the plan fills in ranks per round."""
     return WorkerEnv(
         run_id=config.rendezvous.run_id, max_restarts=config.max_restarts,
@@ -342,5 +342,6 @@ def job_env(config: AgentConfig, etcd: EtcdConfig, scratch: Path,
         events_path=str(events_path) if events_path is not None else "",
         reform_dir=str(scratch / REFORM_DIR),
         collective_timeout_s=config.rendezvous.collective_timeout_s,
-        formation_timeout_s=config.rendezvous.formation_timeout_s, quick_exit=True)
+        formation_timeout_s=config.rendezvous.formation_timeout_s, quick_exit=True,
+        record_socket=str(record_socket) if record_socket else "")
 

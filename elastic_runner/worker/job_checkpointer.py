@@ -22,7 +22,7 @@ from elastic_runner.files import write_atomic
 from elastic_runner.reform import STANDBY_ROUND
 from elastic_runner.worker.checkpoint import checkpointer as _checkpoint
 from elastic_runner.worker.checkpoint.background import BackgroundWriter
-from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
+from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore, RelayedLatestStore
 from elastic_runner.worker.checkpoint.objects import holds_objects, state_of
 from elastic_runner.worker.quick_exit import exit_for_resize
 from elastic_runner.worker.runtime import Context, current, finish
@@ -205,9 +205,13 @@ class Checkpointer(_checkpoint.Checkpointer):
         return f"elastic-run worker: error: {error}"
 
 
-def _etcd_store(context: Context) -> EtcdLatestStore:
-    return EtcdLatestStore(context.etcd_endpoints, context.etcd_prefix, context.round,
-                           context.etcd_options)
+def _etcd_store(context: Context) -> EtcdLatestStore | RelayedLatestStore:
+    def own_client() -> EtcdLatestStore:
+        return EtcdLatestStore(context.etcd_endpoints, context.etcd_prefix, context.round,
+                               context.etcd_options)
+
+    return RelayedLatestStore(context.record_socket, own_client) if context.record_socket \
+        else own_client()
 
 
 def _event_log(context: Context | None):

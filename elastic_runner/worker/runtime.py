@@ -69,6 +69,7 @@ class Context:
     notice_path: str = ""
     events_path: str = ""
     progress_dir: str = ""
+    record_socket: str = ""  # the agent's answer for the checkpoint record (record_relay.py)
     # The Checkpointers made under this context; finish() waits for and closes them.
     checkpointers: list = field(default_factory=list, init=False, compare=False, repr=False)
     boundary: StepBoundary = field(init=False, compare=False, repr=False)
@@ -119,7 +120,8 @@ def context_from_env(environ: Mapping[str, str], backend: str, device: str) -> C
         round=job.round, run_id=job.run_id, backend=backend, device=device,
         etcd_endpoints=job.etcd_endpoints, etcd_prefix=job.etcd_prefix,
         etcd_options=_etcd_options(job), notice_path=job.notice_path,
-        events_path=job.events_path, progress_dir=job.progress_dir)
+        events_path=job.events_path, progress_dir=job.progress_dir,
+        record_socket=job.record_socket)
 
 
 def _etcd_options(job: WorkerEnv) -> dict[str, str]:

@@ -100,6 +100,9 @@ def test_a_rotten_newest_checkpoint_and_a_crash_redo_the_steps(job, tmp_path):
         steps_by_run[row["first_run"]].add(row["step"])
     assert steps_by_run[True] >= set(range(1, 26))
     assert steps_by_run[False] == set(range(11, 41))  # resumed after step 10, redid 11..20
+    # Only rank 0 (the writer) opened etcd: rank 1 read the record through its agent.
+    assert not any(row["etcd_client"] for row in read_jsonl(trace) if row["rank"] == 1)
+    assert any(row["etcd_client"] for row in read_jsonl(trace) if row["rank"] == 0)
     assert json.loads(job.etcd_get("checkpoint/latest"))["step"] == 40
     assert Checkpointer(ckpt, rank=1).load_latest()["step"] == 40
     events = read_jsonl(logs / "events.jsonl")

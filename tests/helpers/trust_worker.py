@@ -68,7 +68,8 @@ def train(ctx, args) -> None:
         state = {"step": step, "w": state["w"] + total, "round": ctx.round}
         if trace:
             trace.write(json.dumps({"step": step, "rank": ctx.rank, "round": ctx.round,
-                                    "first_run": first_run}) + "\n")
+                                    "first_run": first_run,
+                                    "etcd_client": "pyetcd" in sys.modules}) + "\n")
         if ckpt.due(step):
             ckpt.save(step, state)
         if step == args.pause_at and first_run and ctx.rank == 0:

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
+from elastic_runner.config import EtcdConfig
+from elastic_runner.etcd.client import EtcdClient
+from elastic_runner.record_relay import RecordRelay, read_json
+from elastic_runner.rendezvous.protocol import checkpoint_key
+from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore, RelayedLatestStore
 from elastic_runner.worker.checkpoint.latest import NO_CHECKPOINT, MemoryLatestStore
 
 
@@ -16,15 +20,30 @@ def record(step: int, sha: str = "ab") -> dict:
             "world_size": 2}
 
 
-@pytest.fixture(params=["memory", "etcd"])
-def store(request):
+PREFIX = "/elastic-runner/v2/contract/"
+
+
+@pytest.fixture(params=["memory", "etcd", "relayed"])
+def store(request, tmp_path):
+    """"relayed": reads through an agent's relay (record_relay.py) on another client,
+    writes on the store's own: every read must see the write before it."""
     if request.param == "memory":
         yield MemoryLatestStore()
         return
     etcd = request.getfixturevalue("etcd")
-    created = EtcdLatestStore((etcd.endpoint,), "/elastic-runner/v2/contract/", 0)
+    if request.param == "etcd":
+        created = EtcdLatestStore((etcd.endpoint,), PREFIX, 0)
+        yield created
+        created.close()
+        return
+    agent_client = EtcdClient(EtcdConfig.build((etcd.endpoint,)))
+    relay = RecordRelay.start(tmp_path, read_json(agent_client, checkpoint_key(PREFIX)))
+    created = RelayedLatestStore(str(relay.path),
+                                 lambda: EtcdLatestStore((etcd.endpoint,), PREFIX, 0))
     yield created
     created.close()
+    relay.close()
+    agent_client.close()
 
 
 def test_empty_then_forward_only(store):

@@ -12,12 +12,15 @@ by overwriting it.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+import logging
+from typing import Any, Callable, Mapping
 
 from elastic_runner.worker.checkpoint.latest import refuses
 from elastic_runner.config import EtcdConfig
 from elastic_runner.rendezvous import protocol as p
+from elastic_runner.record_relay import read_json
 
+log = logging.getLogger(__name__)
 
 
 class EtcdLatestStore:
@@ -35,10 +38,10 @@ class EtcdLatestStore:
         self._client = EtcdClient(EtcdConfig.build(endpoints, **dict(options or {})))
         self._key = p.checkpoint_key(prefix)
         self._next_plan_key = p.plan_key(prefix, round_number + 1)
+        self._read = read_json(self._client, self._key)
 
     def read(self) -> dict | None:
-        kv = self._client.get(self._key)
-        return json.loads(kv.value) if kv else None
+        return self._read()
 
     def publish(self, record: dict) -> bool:
         from elastic_runner.etcd.client import Put, key_missing, mod_revision_is
@@ -66,3 +69,43 @@ class EtcdLatestStore:
 
     def close(self) -> None:
         self._client.close()
+
+
+class RelayedLatestStore:
+    """read() asks the agent (record_relay.py: no etcd client, connection or import in
+    the worker for it); publish() and retract(), rank 0's alone, go through a fenced
+    EtcdLatestStore opened at the first of them.
+
+    Where the agent does not listen (it is on its way out, or could not make its
+    socket), read() falls back to etcd itself: slower, never staler.
+    """
+
+    def __init__(self, socket_path: str, open_store: Callable[[], EtcdLatestStore]):
+        self._socket_path = socket_path
+        self._open_store = open_store
+        self._store: EtcdLatestStore | None = None
+
+    def read(self) -> dict | None:
+        from elastic_runner.record_relay import ask_record
+
+        try:
+            return ask_record(self._socket_path)
+        except OSError as error:
+            log.debug("the agent did not relay the checkpoint record (%s): reading etcd", error)
+            return self._own().read()
+
+    def publish(self, record: dict) -> bool:
+        return self._own().publish(record)
+
+    def retract(self, bad: dict, replacement: dict) -> bool:
+        return self._own().retract(bad, replacement)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def _own(self) -> EtcdLatestStore:
+        if self._store is None:
+            self._store = self._open_store()
+        return self._store
