@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +41,10 @@ REQUEST = b"latest\n"
 # client's retry deadline (its etcd grace) or says why not; only a frozen agent is
 # slower, and its node is then re-formed out of the job anyway.
 ANSWER_TIMEOUT_S = 120.0
+# How long a read waits for the rest of the node's workers to ask: they reach their
+# load within tens of milliseconds of each other; a script where only some ranks load
+# pays this once per load.
+GATHER_WINDOW_S = 0.05
 # How long the agent waits for a connected worker's request line.
 REQUEST_TIMEOUT_S = 10.0
 _LONGEST_ANSWER = 1 << 20
@@ -59,24 +64,34 @@ def read_json(client: Any, key: str) -> Callable[[], Record | None]:
 class CoalescedRead:
     """One read at a time; a caller is answered by a read that began after it called.
 
-    Why: the eight workers of a node ask within milliseconds of each other. Each read
-    that begins serves everyone waiting when it began, so a node costs etcd one or two
-    reads per start instead of one per worker, and no answer predates its question.
+    Why: a node's workers ask within milliseconds of each other, and etcd spends about
+    as much on one linearizable read over an open connection (0.35 ms) as on a new
+    connection and its read (0.47 ms; bench/checkpoint_record_reads.py). So a read
+    waits up to `window_s` for the node's other workers to ask, and starts at once when
+    `expected` have: a node costs etcd one read per start instead of one per worker,
+    and no answer predates its question.
     """
 
-    def __init__(self, read: Callable[[], Record | None]):
-        self._read = read
+    def __init__(self, read: Callable[[], Record | None], expected: int = 1,
+                 window_s: float = 0.0):
+        self._read, self._expected, self._window_s = read, expected, window_s
         self._changed = threading.Condition()
         self._begun = 0  # reads begun so far
         self._done = 0  # reads finished so far (== _begun or _begun - 1)
+        self._askers = 0  # callers waiting for read _begun + 1
+        self._gathering = False  # a caller is waiting for the others before it reads
         self._answer: tuple[Record | None, BaseException | None] = (None, None)
 
     def __call__(self) -> Record | None:
         with self._changed:
             needed = self._begun + 1  # the first read that begins after this call
+            self._askers += 1
+            self._changed.notify_all()  # a gathering caller counts us
             while self._done < needed:
-                if self._done == self._begun:  # nobody is reading: this caller does
+                if self._done == self._begun and not self._gathering:
+                    self._gather()
                     self._begun += 1
+                    self._askers = 0
                     self._read_for_everyone()
                 else:
                     self._changed.wait()
@@ -84,6 +99,14 @@ class CoalescedRead:
         if error is not None:
             raise error
         return record
+
+    def _gather(self) -> None:
+        """Called with the lock held: wait for the expected askers or the window."""
+        self._gathering = True
+        deadline = time.monotonic() + self._window_s
+        while self._askers < self._expected and (left := deadline - time.monotonic()) > 0:
+            self._changed.wait(left)
+        self._gathering = False
 
     def _read_for_everyone(self) -> None:
         """Called with the lock held; reads without it, so that askers can queue."""
@@ -102,16 +125,17 @@ class CoalescedRead:
 class RecordRelay:
     """The agent's side: a thread per asking worker, one etcd read per burst."""
 
-    def __init__(self, listener: socket.socket, path: Path, read: Callable[[], Record | None]):
-        self._listener, self.path, self._read = listener, path, CoalescedRead(read)
+    def __init__(self, listener: socket.socket, path: Path, read: CoalescedRead):
+        self._listener, self.path, self._read = listener, path, read
         self._thread = threading.Thread(target=self._accept, name="elastic-run-record-relay",
                                         daemon=True)
         self._thread.start()
 
     @classmethod
-    def start(cls, folder: Path, read: Callable[[], Record | None]) -> RecordRelay | None:
-        """Listen in `folder`; None where the socket cannot be made (a path longer than
-        AF_UNIX allows): the workers then read etcd themselves, as before."""
+    def start(cls, folder: Path, read: Callable[[], Record | None], workers: int = 1,
+              window_s: float = GATHER_WINDOW_S) -> RecordRelay | None:
+        """Listen in `folder` for this node's `workers`; None where the socket cannot be
+        made (a path longer than AF_UNIX allows): the workers then read etcd themselves."""
         path = folder / RECORD_SOCKET
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -122,7 +146,7 @@ class RecordRelay:
             log.info("workers read the checkpoint record from etcd themselves: no socket "
                      "at %s (%s)", path, error)
             return None
-        return cls(listener, path, read)
+        return cls(listener, path, CoalescedRead(read, workers, window_s))
 
     def close(self) -> None:
         """Shutting the listener down wakes its accept() at once (Linux: EINVAL)."""

@@ -99,7 +99,8 @@ class Agent:
         self._password_file = PasswordFile(self._scratch / contract.PASSWORD_FILE, etcd.password)
         self._base_env = dict(base_env)
         # Its workers ask it for the checkpoint record, not etcd (record_relay.py).
-        self._record_relay = RecordRelay.start(self._scratch, read_record) if read_record else None
+        self._record_relay = RecordRelay.start(
+            self._scratch, read_record, config.workers.nproc) if read_record else None
         self._job = job_env(config, etcd, self._scratch, self.events.path,
                             self._record_relay.path if self._record_relay else None)
         self._cloud_watcher = cloud_watcher

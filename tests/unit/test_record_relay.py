@@ -72,6 +72,27 @@ def test_askers_during_a_read_share_the_next_one_and_none_gets_an_older_answer()
     assert reads.begun == 2
 
 
+def test_a_read_waits_for_the_nodes_other_workers_then_serves_them_all_at_once():
+    reads = GatedReads()
+    coalesced = CoalescedRead(reads, expected=3, window_s=60.0)
+    answers, threads = ask_in_threads(coalesced, 2)
+    wait_for_waiters(coalesced, 2)                    # the first gathers, the second waits
+    assert reads.begun == 0                           # nobody read with one worker missing
+    more, late = ask_in_threads(coalesced, 1)
+    assert reads.started.acquire(timeout=30)          # the third asked: the read begins
+    reads.release.release()
+    for thread in threads + late:
+        thread.join(30)
+    assert answers + more == [{"step": 0}] * 3 and reads.begun == 1
+
+
+def test_a_worker_alone_waits_out_the_window_and_is_answered():
+    calls = []
+    coalesced = CoalescedRead(lambda: calls.append(1) or {"step": 4}, expected=8,
+                              window_s=0.01)
+    assert coalesced() == {"step": 4} and len(calls) == 1
+
+
 def test_a_lone_asker_reads_and_the_next_asker_reads_again():
     calls = []
     coalesced = CoalescedRead(lambda: calls.append(1) or {"step": len(calls)})
