@@ -195,8 +195,9 @@ def _current_plan(client, prefix: str, state: p.RoundState | None) -> p.Plan | N
         return None
     for number in range(state.number, max(state.number - 2, -1), -1):
         kv = client.get(p.plan_key(prefix, number))
-        if kv is not None:
-            return p.Plan.from_json(kv.value)
+        plan = p.plan_from(kv.value) if kv is not None else None
+        if plan is not None:
+            return plan
     return None
 
 

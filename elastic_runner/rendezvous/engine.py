@@ -36,7 +36,7 @@ from elastic_runner.etcd.mirror import PrefixMirror
 from elastic_runner.etcd.server import EVERY_INTERFACE, free_port
 from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
-from elastic_runner.rendezvous import carried_plan, ranks, registration
+from elastic_runner.rendezvous import carried_plan, old_rounds, ranks, registration
 from elastic_runner.rendezvous.deputies import Deputies
 from elastic_runner.rendezvous.event_copy import EventCopy
 from elastic_runner.rendezvous.failures import failure_message
@@ -174,14 +174,14 @@ class EtcdRendezvous(WhileRunning):
         key = p.plan_key(self.prefix, number)
         if self.mirror.wide:
             kv = self.mirror.get(key)
-            return self._decode(kv, lambda kv: p.Plan.from_json(kv.value)) if kv else None
+            return self._decode(kv, lambda kv: p.plan_from(kv.value)) if kv else None
         if key not in self._decoded:
             round_kv = self.mirror.get(p.round_key(self.prefix))
             held = {v.round: v for _, v in self._decoded.values() if isinstance(v, p.Plan)}
             carried = carried_plan.carried(round_kv.value, held) if round_kv else None
             if carried is None or carried.round != number:
                 kv = self._client.get(key)
-                carried = p.Plan.from_json(kv.value) if kv else None
+                carried = p.plan_from(kv.value) if kv else None
             if carried is None:
                 return None
             self._decoded[key] = (0, carried)
@@ -491,5 +491,6 @@ class EtcdRendezvous(WhileRunning):
             return
         plan = dataclasses.replace(plan, restart_count=verdict.restart_count)
         self._cas_round(seen, p.RoundState(number, p.CLOSED, seen.state.cause),
-                        Put(p.plan_key(self.prefix, number), plan.to_json()), plan=plan,
+                        Put(p.plan_key(self.prefix, number), plan.to_json()),
+                        *old_rounds.superseded_by(self.prefix, number), plan=plan,
                         previous=previous)

@@ -138,11 +138,12 @@ class Newcomers:
         return waiting
 
     def _previous(self, plan: p.Plan) -> p.Plan | None:
-        """The plan before `plan`, as our copy of etcd holds it (plans stay for the run)."""
+        """The plan before `plan`, as our copy of etcd holds it (whole while `plan` is
+        one of the newest two: protocol.PLANS_KEPT)."""
         if plan.round == 0:
             return None
         kv = self._mirror.get(p.plan_key(self._config.prefix, plan.round - 1))
-        return p.Plan.from_json(kv.value) if kv else None
+        return p.plan_from(kv.value) if kv else None
 
 
 def _nproc(raw: bytes) -> int:

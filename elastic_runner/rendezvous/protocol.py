@@ -114,6 +114,22 @@ def plan_key(prefix: str, number: int) -> str:
     return f"{prefix}rounds/{number}/plan"
 
 
+# What a plan key holds once its round is two behind the newest closed one (the
+# closing transaction writes it, engine.py). The key stays: a checkpoint writer of the
+# round before is fenced by its existence (worker/checkpoint/etcd_store.py). The bytes
+# go: a plan is 8-21 KB at 1,024 members, a spot fleet closes rounds every few minutes,
+# and the deputies' copies and every resync read every key of the run.
+SUPERSEDED_PLAN = b""
+# Rounds whose plans stay whole: the newest closed one and the one before it (a round
+# is decided against its previous plan).
+PLANS_KEPT = 2
+
+
+def plan_from(raw: bytes) -> "Plan | None":
+    """A plan key's value as a Plan; None once it was superseded."""
+    return None if raw == SUPERSEDED_PLAN else Plan.from_json(raw)
+
+
 def failure_key(prefix: str, number: int) -> str:
     return f"{prefix}rounds/{number}/failure"
 

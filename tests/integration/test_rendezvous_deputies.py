@@ -261,3 +261,39 @@ def test_a_node_keeps_one_join_key_however_many_rounds_it_joined(node):
         sorted(kv.key for n in range(plan.round + 1)
                for kv in each.rdzv.mirror.children(p.join_prefix(prefix, n))) == joins
         for each in wide)
+
+
+def test_closing_a_round_empties_the_plan_two_rounds_back_and_the_fence_still_holds(node, etcd):
+    """Plans stayed in etcd and in every deputy's copy for the run (8-21 KB each at
+    1,024 members, a round every few minutes on a spot fleet). The key of an old plan
+    must stay: a checkpoint writer of the round before it is fenced by its existence."""
+    from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
+
+    first = [node("pruned", f"a{i}", 8) for i in range(2)]
+    start = wait_for_agreement(first, 2)
+    prefix, client = first[0].rdzv.prefix, first[0].client
+    client.put(p.store_prefix(prefix, start.round) + "torch-key", b"1")  # the plug-in's store
+    late = node("pruned", "a2", 8)
+    wait_for_agreement(first + [late], 3)
+    late.stop()
+    wait_for_agreement(first, 2)
+    later = node("pruned", "a3", 8)
+    plan = wait_for_agreement(first + [later], 3)
+    assert plan.round >= start.round + 3
+    plans = {n: client.get(p.plan_key(prefix, n)) for n in range(plan.round + 1)}
+    assert all(plans[n] is not None for n in plans)  # every key stays
+    assert [n for n in plans if plans[n].value == p.SUPERSEDED_PLAN] == \
+        list(range(plan.round - 1))
+    assert p.plan_from(plans[plan.round].value) == plan
+    assert p.plan_from(plans[plan.round - 1].value).round == plan.round - 1
+    assert client.get_prefix(p.store_prefix(prefix, start.round))[0] == []
+    for deputy in (n for n in first + [later] if n.rdzv.mirror.wide):
+        held = [kv for n in plans if (kv := deputy.rdzv.mirror.get(p.plan_key(prefix, n)))]
+        assert sum(len(kv.value) for kv in held) == \
+            len(plans[plan.round].value) + len(plans[plan.round - 1].value)
+    record = {"url": "file:///c/step-9", "step": 9, "sha256": "ab" * 32, "world_size": 2}
+    stale, current = (EtcdLatestStore((etcd.endpoint,), prefix, number)
+                      for number in (start.round, plan.round))
+    assert not stale.publish(record)       # fenced by round start+1's emptied plan key
+    assert current.publish(record)
+    stale.close(), current.close()

@@ -122,3 +122,23 @@ def test_plan_to_json_refuses_ranks_the_columns_cannot_hold():
     gap = p.Plan(0, (p.Member("a", 0, 2, "h", 0), p.Member("b", 1, 2, "h", 3)), "h", 1)
     with pytest.raises(ValueError, match="ranks do not follow"):
         gap.to_json()
+
+
+def test_a_superseded_plan_reads_as_none_and_a_whole_one_reads_back():
+    plan = columnar_plan([2, 2], ["h", "h"])
+    assert p.plan_from(p.SUPERSEDED_PLAN) is None
+    assert p.plan_from(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize("closing, emptied", [(0, None), (1, None), (2, 0), (7, 5)])
+def test_closing_a_round_empties_the_plan_two_back_and_drops_that_rounds_torch_store(
+        closing, emptied):
+    from elastic_runner.etcd.values import Delete, Put
+    from elastic_runner.rendezvous.old_rounds import superseded_by
+
+    ops = superseded_by("/r/", closing)
+    if emptied is None:
+        assert ops == []
+    else:
+        assert ops == [Put(p.plan_key("/r/", emptied), p.SUPERSEDED_PLAN),
+                       Delete(p.store_prefix("/r/", emptied), prefix=True)]
