@@ -2,9 +2,10 @@
 
 Why: every rank reads the record of the newest verified checkpoint when it loads
 (checkpoint/latest.py). On its own etcd connection, that is one gRPC channel, one
-connection and one read per worker per start: at 1,024 nodes x 8 workers about 2.9 s
-of etcd CPU on every restart (0.35 ms per connect and read, bench/etcd_start_costs.py),
-and in every worker about 0.2 s of CPU to import the etcd client. The agent already
+connection and one read per worker per start: at 1,024 nodes x 8 workers 3.0-4.0 s of
+etcd CPU on every start and restart, and in every worker about 0.2 s of CPU to import
+the etcd client (bench/checkpoint_record_reads.py: 0.8-0.9 s and 5 ms through the
+agent). The agent already
 holds a connection; it answers its workers over a Unix socket in its private scratch
 folder, and one etcd read serves every worker that asked before it began.
 

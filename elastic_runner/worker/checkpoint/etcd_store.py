@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 from elastic_runner.worker.checkpoint.latest import refuses
 from elastic_runner.config import EtcdConfig
 from elastic_runner.rendezvous import protocol as p
-from elastic_runner.record_relay import read_json
+from elastic_runner.record_relay import ask_record, read_json
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,6 @@ class RelayedLatestStore:
         self._store: EtcdLatestStore | None = None
 
     def read(self) -> dict | None:
-        from elastic_runner.record_relay import ask_record
-
         try:
             return ask_record(self._socket_path)
         except OSError as error:
