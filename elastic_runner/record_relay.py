@@ -18,7 +18,8 @@ worker's own read was: the record cannot move between the ask and the read unnot
 The protocol: the worker connects, sends `latest\\n`, and reads one JSON line until the
 agent closes: {"record": <record or null>} or {"error": <line>, "kind": <error type>}.
 Writes (publish, retract) stay on the writer's own client: only rank 0 makes them,
-and they are fenced by its round.
+and they are fenced by its round. Rank 0 of a start reads through that client too
+(job_checkpointer._etcd_store), so that its save for a resize finds it connected.
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ class Checkpointer(_checkpoint.Checkpointer):
         self._own_store = latest_store is None and context is not None and bool(
             context.etcd_endpoints)
         if self._own_store:
-            latest_store = _etcd_store(context)
+            writer = (context.rank if rank is None else rank) == 0
+            latest_store = _etcd_store(context, writer)
         super().__init__(url_or_path, keep=keep, every=every, async_save=async_save, rank=rank,
                          latest_store=latest_store, **kwargs)
         self._context = context
@@ -92,7 +93,8 @@ class Checkpointer(_checkpoint.Checkpointer):
                 self._writer = BackgroundWriter(self._exit_line)
         if self._own_store:
             self._latest.close()
-            self._latest = _etcd_store(context)
+            # No etcd client in the pause: a new rank 0 opens its own at its first save.
+            self._latest = _etcd_store(context, writer=False)
         self._events = _event_log(context)
 
     def register(self, state: Any) -> None:
@@ -205,13 +207,18 @@ class Checkpointer(_checkpoint.Checkpointer):
         return f"elastic-run worker: error: {error}"
 
 
-def _etcd_store(context: Context) -> EtcdLatestStore | RelayedLatestStore:
+def _etcd_store(context: Context, writer: bool) -> EtcdLatestStore | RelayedLatestStore:
+    """The writer (rank 0 at a start) keeps its own connection, opened and used at its
+    first read as before: a save for a resize must not wait for an etcd client's import
+    and connection (a slow save can lose the race with the next round's close, which
+    fences it). Every other rank asks its agent (record_relay.py)."""
     def own_client() -> EtcdLatestStore:
         return EtcdLatestStore(context.etcd_endpoints, context.etcd_prefix, context.round,
                                context.etcd_options)
 
-    return RelayedLatestStore(context.record_socket, own_client) if context.record_socket \
-        else own_client()
+    if context.record_socket and not writer:
+        return RelayedLatestStore(context.record_socket, own_client)
+    return own_client()
 
 
 def _event_log(context: Context | None):
