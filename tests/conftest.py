@@ -36,7 +36,24 @@ def etcd():
         yield server
 
 
+FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Remember a failed test body, for the fixtures torn down after it."""
+    outcome = yield
+    if outcome.get_result().when == "call" and outcome.get_result().failed:
+        item.stash[FAILED] = True
+
+
 @pytest.fixture
-def workdir(tmp_path):
+def workdir(tmp_path, request):
+    """Removed after a passing test (checkpoints, logs); kept after a failing one, for the
+    post-mortem (pytest keeps its last three base folders): a rare failure is otherwise
+    gone with its traces."""
     yield tmp_path
+    if request.node.stash.get(FAILED, False):
+        print(f"\nkept for the post-mortem: {tmp_path}")
+        return
     shutil.rmtree(tmp_path, ignore_errors=True)
