@@ -177,20 +177,21 @@ class RecordRelay:
         with connection:
             connection.settimeout(REQUEST_TIMEOUT_S)
             try:
-                request = _read_request(connection)
+                request = _receive_line(connection, len(REQUEST))
                 connection.sendall(_answer(request, self._read))
             except OSError as error:  # the worker went away, or never asked
                 log.debug("checkpoint record request not answered: %s", error)
 
 
-def _read_request(connection: socket.socket) -> bytes:
-    request = b""
-    while len(request) < len(REQUEST) and not request.endswith(b"\n"):
-        chunk = connection.recv(len(REQUEST) - len(request))
+def _receive_line(sock: socket.socket, most: int) -> bytes:
+    """One message, either side's: up to its newline, the peer closing, or `most` bytes."""
+    received = b""
+    while len(received) < most and not received.endswith(b"\n"):
+        chunk = sock.recv(min(most - len(received), 65536))
         if not chunk:
             break
-        request += chunk
-    return request
+        received += chunk
+    return received
 
 
 def _answer(request: bytes, read: Callable[[], Record | None]) -> bytes:
@@ -217,7 +218,7 @@ def ask_record(path: str, timeout_s: float = ANSWER_TIMEOUT_S) -> Record | None:
         sock.connect(path)
         try:
             sock.sendall(REQUEST)
-            line = _read_line(sock)
+            line = _receive_line(sock, _LONGEST_ANSWER)
         except socket.timeout:  # (an OSError: caught before the caller's fallback sees it)
             raise EtcdUnavailable(f"the agent did not answer for the checkpoint record within "
                                   f"{timeout_s:g} s (its socket {path})") from None
@@ -231,14 +232,3 @@ def ask_record(path: str, timeout_s: float = ANSWER_TIMEOUT_S) -> Record | None:
     if "error" in reply:
         raise _ERRORS.get(reply.get("kind"), EtcdError)(reply["error"])
     return reply["record"]
-
-
-def _read_line(sock: socket.socket) -> bytes:
-    chunks, size = [], 0
-    while size <= _LONGEST_ANSWER:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)

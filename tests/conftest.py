@@ -42,8 +42,8 @@ FAILED = pytest.StashKey[bool]()
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Remember a failed test body, for the fixtures torn down after it."""
-    outcome = yield
-    if outcome.get_result().when == "call" and outcome.get_result().failed:
+    report = (yield).get_result()
+    if report.when == "call" and report.failed:
         item.stash[FAILED] = True
 
 

@@ -14,6 +14,7 @@ import pytest
 from elastic_runner.errors import LeaseLost, LeaseNotFound
 from elastic_runner.etcd.client import Put
 from elastic_runner.rendezvous import protocol as p
+from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
 from tests.helpers.rdzv_nodes import wait_for, wait_for_agreement
 
 # Per round, a non-deputy member sees the round key open and close (two events),
@@ -267,8 +268,6 @@ def test_closing_a_round_empties_the_plan_two_rounds_back_and_the_fence_still_ho
     """Plans stayed in etcd and in every deputy's copy for the run (8-21 KB each at
     1,024 members, a round every few minutes on a spot fleet). The key of an old plan
     must stay: a checkpoint writer of the round before it is fenced by its existence."""
-    from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore
-
     first = [node("pruned", f"a{i}", 8) for i in range(2)]
     start = wait_for_agreement(first, 2)
     prefix, client = first[0].rdzv.prefix, first[0].client
@@ -296,4 +295,5 @@ def test_closing_a_round_empties_the_plan_two_rounds_back_and_the_fence_still_ho
                       for number in (start.round, plan.round))
     assert not stale.publish(record)       # fenced by round start+1's emptied plan key
     assert current.publish(record)
-    stale.close(), current.close()
+    stale.close()
+    current.close()
