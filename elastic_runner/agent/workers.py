@@ -158,6 +158,7 @@ class _Worker:
         self.error_path = error_path
         self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.exit: WorkerExit | None = None
+        self.exited_at: float | None = None
         log_file = open(log_path, "a", buffering=1) if log_path else None
         self._pumps = [
             threading.Thread(target=self._pump, args=(process.stdout, sys.stdout, None, log_file,
@@ -167,6 +168,17 @@ class _Worker:
         ]
         for pump in self._pumps:
             pump.start()
+        threading.Thread(target=self._stamp_exit, daemon=True).start()
+
+    def _stamp_exit(self) -> None:
+        """When this worker ended, to the millisecond, not when the agent next looked.
+
+        Why: one worker's death breaks its peers' collectives, and they exit too, often
+        within milliseconds (at once when a broken round is cut). The agent polls a few
+        times a second and finds them all gone at one look; the error line must name
+        the worker that ended first (`first_failure`), not the lowest local rank."""
+        self.process.wait()
+        self.exited_at = time.monotonic()
 
     def _pump(self, source, sink, tail, log_file, echo) -> None:
         for raw in iter(source.readline, b""):
@@ -194,7 +206,8 @@ class _Worker:
                             if self.error_path and self.process.returncode not in
                             (0, EXIT_FOR_RESIZE) else (None, None))
             self.exit = WorkerExit(self.ranks.rank, self.ranks.local_rank,
-                                   self.process.returncode, time.monotonic(), list(self.tail),
+                                   self.process.returncode, self.exited_at or time.monotonic(),
+                                   list(self.tail),
                                    str(self.log_path) if self.log_path else None,
                                    error=error, frame=frame)
         return self.exit
