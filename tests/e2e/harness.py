@@ -39,6 +39,9 @@ class Job:
     script_args: tuple[str, ...] = ("--step-time", "0.05")
     extra_flags: tuple[str, ...] = ()
     script: Path = PROBE
+    # The probe's all-reduce: "gloo", or "socket" (no torch; helpers/socket_world.py)
+    # where a test checks the agents' decisions rather than torch.
+    collective: str = "gloo"
     # Per-node command prefix (e.g. `ip netns exec NS`) and extra environment.
     wrap: dict[str, list[str]] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
@@ -72,7 +75,8 @@ class Job:
         for flag, value in flags.items():
             for item in value if isinstance(value, (list, tuple)) else [value]:
                 argv += [flag, str(item)]
-        output = ("--out", str(self.steps_file)) if self.script == PROBE else ()
+        output = ("--out", str(self.steps_file), "--collective", self.collective) \
+            if self.script == PROBE else ()
         return [*argv, *self.extra_flags, str(self.script), *output, *self.script_args]
 
     def start(self, *nodes: str, **overrides) -> None:

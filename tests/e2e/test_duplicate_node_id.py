@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.socket_probe]  # about the agents, not torch
 
 STEPS = 150  # long enough that a still trains while the duplicate is refused
 

@@ -12,7 +12,7 @@ from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.etcd.server import EmbeddedEtcdCluster
 from tests.faults import at_step, kill_process, run_schedule, stop_etcd
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.socket_probe]  # about the agents, not torch
 
 
 def rounds_after(job, when: float) -> set[str]:
@@ -85,7 +85,7 @@ def test_losing_the_etcd_leader_keeps_training(etcd_cluster, tmp_path):
     from tests.e2e.harness import Job
 
     endpoints = ",".join(m.endpoint for m in etcd_cluster)
-    job = Job(endpoints, tmp_path, lease_ttl=3)
+    job = Job(endpoints, tmp_path, lease_ttl=3, collective="socket")
     try:
         job.start("a", "b")
         formed = job.wait_world(4)
@@ -148,8 +148,9 @@ def test_two_runs_on_one_etcd_never_interfere(etcd, tmp_path):
 
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    one = Job(etcd.endpoint, tmp_path / "one", run_id="one")
-    two = Job(etcd.endpoint, tmp_path / "two", run_id="two", nproc=1)
+    one = Job(etcd.endpoint, tmp_path / "one", run_id="one", collective="socket")
+    two = Job(etcd.endpoint, tmp_path / "two", run_id="two", nproc=1,
+              collective="socket")
     try:
         one.start("a", "b")
         two.start("a", "b", "c")            # same node ids, other run

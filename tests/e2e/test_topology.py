@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.socket_probe]  # about the agents, not torch
 
 
 def blocks(rows: list[dict]) -> dict[str, list[int]]:

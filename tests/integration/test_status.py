@@ -21,7 +21,8 @@ from tests.e2e.harness import Job
 
 @pytest.fixture
 def job(etcd, tmp_path):
-    created = Job(etcd.endpoint, tmp_path, run_id="status-run", nproc=1, max_nodes=3)
+    created = Job(etcd.endpoint, tmp_path, run_id="status-run", nproc=1, max_nodes=3,
+                  collective="socket")  # the table, not torch
     yield created
     created.stop_all()
 
