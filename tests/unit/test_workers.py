@@ -95,6 +95,9 @@ class _ExitedProcess:
     def poll(self) -> int:
         return self.returncode
 
+    def wait(self) -> int:
+        return self.returncode
+
 
 def test_a_re_formed_group_names_its_workers_by_their_new_global_ranks():
     import pytest
