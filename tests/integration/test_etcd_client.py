@@ -309,10 +309,23 @@ def test_keep_alives_share_one_stream_that_survives_a_server_restart_and_a_freez
         time.sleep(0.05)
     assert client.refresh_lease(lease, deadline_s=10.0) > 0
 
-    before, missed = len(one_shot), []
-    real_missed = keepalive._Stream._missed
+    before, missed, asks = len(one_shot), [], []
+    real_missed, real_ask = keepalive._Stream._missed, keepalive._Stream.ask
     monkeypatch.setattr(keepalive._Stream, "_missed", lambda stream, *args: missed.append(
         real_missed(stream, *args)) or missed[-1])
+
+    def ask(stream, *args):
+        """What each ask on a stream ended with, for the assertion's message."""
+        started = time.monotonic()
+        try:
+            asks.append(("answer", real_ask(stream, *args)))
+        except BaseException as error:
+            asks.append(("raised", repr(error)))
+            raise
+        finally:
+            asks[-1] += (round(time.monotonic() - started, 2), stream is client._keepalive._stream)
+        return asks[-1][1]
+    monkeypatch.setattr(keepalive._Stream, "ask", ask)
     etcd_any_version.pause()
     threading.Timer(10.0, etcd_any_version.resume).start()
     # The stream has half of the 14 s and hears nothing: its ask runs out (a miss). Then
@@ -321,7 +334,7 @@ def test_keep_alives_share_one_stream_that_survives_a_server_restart_and_a_freez
     # loaded cores: seen in three full suite runs, with 2, 4 and 7 s halves), the
     # stream's answer that came meanwhile is taken instead (_Stream._missed). Exactly one.
     assert client.refresh_lease(lease, deadline_s=14.0) > 0
-    assert missed, "the stream's ask did not run out while etcd was frozen"
+    assert missed, f"the stream's ask did not run out while etcd was frozen: {asks}"
     one_shots = before + (missed[0] is None)
     assert len(one_shot) == one_shots
     assert client.refresh_lease(lease, deadline_s=2.0) > 0
