@@ -40,6 +40,14 @@ class EtcdUnavailable(EtcdError):
     """No endpoint answered within the deadline."""
 
 
+class EtcdFull(EtcdUnavailable):
+    """etcd refused a write: its space quota is used up (its NOSPACE alarm).
+
+    An outage of writes only: reads, lease keep-alives and revokes still work, so
+    workers train on until something must be written, and the agent then waits as
+    through an outage until an operator frees space and disarms the alarm."""
+
+
 class EtcdAuthError(EtcdError):
     """etcd refused our credentials."""
 

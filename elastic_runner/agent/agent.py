@@ -42,7 +42,7 @@ from elastic_runner.agent.standby import WarmStart
 from elastic_runner.config import AgentConfig, EtcdConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE, read_progress
 from elastic_runner.errors import (
-    EtcdUnavailable, RendezvousError, ShutdownRequested, WorkerFailure,
+    EtcdFull, EtcdUnavailable, RendezvousError, ShutdownRequested, WorkerFailure,
 )
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.events import EVENTS_FILE, EventLog
@@ -397,7 +397,10 @@ class Agent:
         by_cloud = self._cloud_watcher is not None and self._cloud_watcher.notice.is_set()
         by_etcd = self._rdzv_config.node_id in self.rendezvous.notices(plan)
         if by_signal or by_file or by_cloud or by_etcd:
-            self.rendezvous.give_notice(plan.round)
+            try:
+                self.rendezvous.give_notice(plan.round)
+            except EtcdFull as exc:  # leaving needs no space: a lease revoke deletes
+                log.warning("%s; leaving without announcing the notice", exc)
             source = ("SIGTERM" if by_signal else "file" if by_file
                       else self._cloud_watcher.source if by_cloud else "elastic-run notice")
             self.events.emit("notice", round=plan.round, source=source)

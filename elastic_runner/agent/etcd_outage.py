@@ -3,6 +3,12 @@ outage, stop past the grace, and the agent waits (bounded) for etcd to come back
 
 Why stop at all: without etcd nobody can see a member leave, and a worker failure
 could not be recorded; a clean stop keeps the checkpoint.
+
+A full etcd (its NOSPACE alarm: EtcdFull) is an outage of writes only. Keep-alives
+and reads go on, so workers train on until something must be written (a round, a
+failure, a checkpoint record); then the agent waits the same way, asking with a
+write, until an operator frees space and disarms the alarm. Before, every agent
+ended with exit 4 at its first refused write, and the job had to be started again.
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ from tenacity import (
 )
 
 from elastic_runner.agent.ports import Rendezvous
-from elastic_runner.errors import EtcdUnavailable, ShutdownRequested
+from elastic_runner.errors import EtcdFull, EtcdUnavailable, ShutdownRequested
 from elastic_runner.events import EventLog
 
 log = logging.getLogger("elastic_runner")
 
-# Seconds between pings while the workers are stopped for an etcd outage.
+# Seconds between pings while the workers are stopped for an etcd outage; between
+# write probes while etcd is full (an operator's fix takes minutes, and each refused
+# probe is one more request to an etcd that serves every agent of the fleet).
 ETCD_RETRY_S = 0.5
+FULL_RETRY_S = 2.0
 
 
 def check_grace(rendezvous: Rendezvous, grace_s: float) -> None:
@@ -47,10 +56,13 @@ def wait_for_etcd(rendezvous: Rendezvous, events: EventLog, signal_seen: threadi
     EtcdUnavailable ends the node; a signal ends the wait at once as
     ShutdownRequested (the pause between pings wakes on it, so no ping is wasted).
     """
-    log.warning("%s; workers stopped, waiting up to %.0f s for etcd", error, join_timeout_s)
+    full = isinstance(error, EtcdFull)
+    log.warning("%s; workers stopped, waiting up to %.0f s for etcd%s", error, join_timeout_s,
+                " to accept writes" if full else "")
     events.emit("etcd_lost", error=str(error))
     retrying = Retrying(
-        retry=retry_if_exception_type(EtcdUnavailable), wait=wait_fixed(ETCD_RETRY_S),
+        retry=retry_if_exception_type(EtcdUnavailable),
+        wait=wait_fixed(FULL_RETRY_S if full else ETCD_RETRY_S),
         stop=stop_after_delay(join_timeout_s) | stop_when_event_set(signal_seen),
         sleep=signal_seen.wait, reraise=True)
     try:
@@ -58,7 +70,7 @@ def wait_for_etcd(rendezvous: Rendezvous, events: EventLog, signal_seen: threadi
             with attempt:
                 if signal_seen.is_set():
                     raise ShutdownRequested("shutdown requested while etcd was unreachable")
-                rendezvous.ping()
+                rendezvous.ping(write=full)
     except EtcdUnavailable:
         if signal_seen.is_set():
             raise ShutdownRequested("shutdown requested while etcd was unreachable") from None

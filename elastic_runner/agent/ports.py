@@ -33,8 +33,9 @@ class Rendezvous(Protocol):
     def leave(self) -> None:
         """Withdraw this node at once, so the others re-form without waiting."""
 
-    def ping(self) -> None:
-        """Raise EtcdUnavailable while the store does not answer."""
+    def ping(self, write: bool = False) -> None:
+        """Raise EtcdUnavailable while the store does not answer; with `write`, also
+        EtcdFull while it refuses writes."""
 
     def etcd_answers_now(self) -> bool:
         """One request, not retried: does the store answer at this moment?"""

@@ -27,7 +27,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import (
-    ConfigError, EtcdAuthError, EtcdError, EtcdUnavailable, LeaseNotFound,
+    ConfigError, EtcdAuthError, EtcdError, EtcdFull, EtcdUnavailable, LeaseNotFound,
 )
 from elastic_runner.etcd.endpoints import parse_endpoint
 from elastic_runner.etcd.keepalive import KeepAliveStream, StreamEnded
@@ -149,7 +149,7 @@ class EtcdClient:
             return LeaseNotFound(f"etcd at {self._endpoint_text} no longer has the lease "
                                  f"named in {what}: {detail}")
         if "database space exceeded" in (detail or ""):  # its NOSPACE alarm: writes refused
-            return EtcdError(f"etcd at {self._endpoint_text} is full and refused {what} ({detail}): "
+            return EtcdFull(f"etcd at {self._endpoint_text} is full and refused {what} ({detail}): "
                              "compact and defragment it, then `etcdctl alarm disarm`; turn on "
                              "its --auto-compaction-retention or raise --quota-backend-bytes")
         return EtcdError(f"etcd at {self._endpoint_text} answered {what} with an error: {detail}")

@@ -45,17 +45,18 @@ from elastic_runner.rendezvous.running import RoundView, WhileRunning
 
 log = logging.getLogger(__name__)
 
-# After a wake-up, let further watch events land before re-evaluating: one
-# evaluation reads every joiner, so evaluating per event costs O(N^2) per agent
-# per round. The window grows with the number of nodes and stays far below a
-# process restart.
+# After a wake-up, let further watch events land before re-evaluating: one evaluation
+# reads every joiner, so one per event costs O(N^2) per agent per round. The window
+# grows with the number of nodes and stays far below a process restart.
 BATCH_S_PER_NODE = 0.0001
 MAX_BATCH_S = 0.05
 # A copy of etcd whose counts still disagree after this long is read again.
 RESYNC_AFTER_S = 5.0
-# The longest a non-deputy in an open round sleeps between looks: any change of
-# the round key or of the deputies wakes it sooner.
+# The longest a non-deputy in an open round sleeps between looks (a change of the
+# round key or of the deputies wakes it sooner).
 FOLLOWER_LOOK_S = 5.0
+# ping(write=True): etcd's NOSPACE alarm refuses lease grants (3.4 and 3.5 checked).
+WRITE_PROBE_TTL_S = 5
 
 
 class EtcdRendezvous(WhileRunning):
@@ -156,9 +157,13 @@ class EtcdRendezvous(WhileRunning):
             self.lease.revoke()
         self.mirror.stop()
 
-    def ping(self) -> None:
-        """One cheap request: raises EtcdUnavailable while etcd does not answer."""
-        self._client.server_version()
+    def ping(self, write: bool = False) -> None:
+        """One cheap request: raises EtcdUnavailable while etcd does not answer. With
+        `write`, a lease granted and revoked (no key): EtcdFull while etcd is full."""
+        if write:
+            self._client.revoke_lease(self._client.grant_lease(WRITE_PROBE_TTL_S))
+        else:
+            self._client.server_version()
 
     # ---- reading the mirror -----------------------------------------------------
     def current_round(self) -> RoundView | None:

@@ -63,7 +63,7 @@ class FakeRendezvous:
     def leave(self) -> None:
         self.journal.append("leave")
 
-    def ping(self) -> None:
+    def ping(self, write: bool = False) -> None:
         self.journal.append("ping")
         answers = self.etcd_answers
         self.on_ping()  # what happens while this ping is out: seen by the next one
