@@ -52,8 +52,9 @@ def wait_for_etcd(rendezvous: Rendezvous, events: EventLog, signal_seen: threadi
                   join_timeout_s: float, error: EtcdUnavailable) -> None:
     """Workers are stopped; wait (up to --join-timeout) for etcd to answer again.
 
-    A bounded retry, one ping per ETCD_RETRY_S: past --join-timeout the last
-    EtcdUnavailable ends the node; a signal ends the wait at once as
+    A bounded retry, one ping per ETCD_RETRY_S (for a full etcd, one write probe per
+    FULL_RETRY_S: it answers pings while it refuses writes): past --join-timeout the
+    last EtcdUnavailable ends the node; a signal ends the wait at once as
     ShutdownRequested (the pause between pings wakes on it, so no ping is wasted).
     """
     full = isinstance(error, EtcdFull)
