@@ -97,6 +97,20 @@ class Checkpointer(_checkpoint.Checkpointer):
             self._latest = _etcd_store(context, writer=False)
         self._events = _event_log(context)
 
+    def close(self) -> None:
+        """The last save first (as before), then the etcd client this checkpointer
+        opened for its record, so that no gRPC channel is left to the interpreter's
+        teardown. A worker that exited 0 after its last step was once ended by SIGABRT
+        there ("terminate called without an active exception", a resize-matrix run;
+        gRPC's C core is known to abort in a teardown with channels open): the agent
+        took it for a failure and the round's tail was trained again."""
+        closing = not self._closed
+        try:
+            super().close()
+        finally:
+            if closing and self._own_store:
+                self._latest.close()
+
     def register(self, state: Any) -> None:
         """What to save when the runtime stops for a resize: a mapping of name ->
         object with state_dict() (or plain value), or a function returning the state."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import threading
 
 import pytest
 import torch
@@ -139,3 +140,42 @@ def test_a_refused_save_ends_only_a_worker_that_cannot_re_form_in_place(
     assert store.read()["step"] == 50 and saved_steps(tmp_path) == []
     assert ckpt.save(60, {"w": torch.ones(1)}) is not None  # a newer step is recorded
     assert store.read()["step"] == 60 and saved_steps(tmp_path) == [60]
+
+
+class ClosingStore(MemoryLatestStore):
+    """The record store a Checkpointer opens itself (an etcd client in a worker)."""
+
+    def __init__(self):
+        super().__init__()
+        self.closed = 0
+
+    def publish(self, record: dict) -> bool:
+        assert not self.closed, "published after the store was closed"
+        return super().publish(record)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_finish_closes_the_record_store_the_checkpointer_opened_after_its_last_save(
+        tmp_path, monkeypatch):
+    """No gRPC channel is left to the interpreter's teardown (job_checkpointer.close)."""
+    ctx = runtime.context_from_env({"ELASTIC_RUN_ROUND": "3",
+                                    "ELASTIC_RUN_ETCD_ENDPOINTS": "http://127.0.0.1:1"},
+                                   "gloo", "cpu")
+    monkeypatch.setattr(runtime, "_active", [ctx])
+    opened = []
+    monkeypatch.setattr(job_checkpointer, "_etcd_store",
+                        lambda context, writer: opened.append(ClosingStore()) or opened[-1])
+    gate = gate_storage_writes(monkeypatch)
+    ckpt = job_checkpointer.Checkpointer(tmp_path / "ckpt", async_save=True, rank=0)
+    given = job_checkpointer.Checkpointer(tmp_path / "given", latest_store=ClosingStore(),
+                                          rank=0)
+    ckpt.save(10, {"w": torch.ones(3)})  # still writing when finish() begins
+    threading.Timer(0.2, gate.set).start()
+    runtime.finish()
+    (store,) = opened
+    assert store.closed == 1 and store.read()["step"] == 10  # published, then closed
+    assert given._latest.closed == 0  # a store the script passed in is the script's
+    ckpt.close()
+    assert store.closed == 1
