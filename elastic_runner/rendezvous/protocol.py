@@ -51,6 +51,9 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from itertools import accumulate
 
+from elastic_runner.rendezvous.job_spec import (  # noqa: F401 - read here as p.JobSpec
+    RUN_PROTOCOL, JobSpec, spec_conflict,
+)
 from elastic_runner.rendezvous.member_table import Member, MemberTable
 
 OPEN, CLOSED, FINISHED, FAILED = "open", "closed", "finished", "failed"
@@ -269,27 +272,6 @@ class Cause:
 
 
 # ---- values ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class JobSpec:
-    """What every agent of one run must agree on."""
-
-    min_nodes: int
-    max_nodes: int
-    fingerprint: str
-    # Bounds on the total number of workers (0: none). Nodes of one job may run
-    # different numbers of workers (a 1-GPU and a 4-GPU spot instance), so the
-    # per-node count is not part of the spec.
-    min_workers: int = 0
-    max_workers: int = 0
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @staticmethod
-    def from_json(raw: bytes) -> "JobSpec":
-        return JobSpec(**json.loads(raw))
-
-
 def first_round() -> "RoundState":
     """Round 0, open: what the first agent of a run writes (registration does it in its
     own transaction; decisions.round_action's CREATE_FIRST where it did not)."""
@@ -302,16 +284,6 @@ def joins_in_place(round_value: bytes | None, marked: bool) -> bool:
     inplace_key is there) and the run has not finished."""
     return marked and round_value is not None and \
         RoundState.from_json(round_value).state != FINISHED
-
-
-def spec_conflict(existing: JobSpec, mine: JobSpec) -> str | None:
-    """Describe how `mine` differs from the spec the run started with, or None."""
-    diffs = [
-        f"{name} {getattr(existing, name)!r} (run) vs {getattr(mine, name)!r} (this node)"
-        for name in ("min_nodes", "max_nodes", "min_workers", "max_workers", "fingerprint")
-        if getattr(existing, name) != getattr(mine, name)
-    ]
-    return "; ".join(diffs) or None
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -126,6 +127,21 @@ def old_schema_run(ctx: Context) -> None:
     ctx.values["endpoint"] = endpoint
 
 
+def older_release_run(ctx: Context) -> None:
+    """etcd holding run 'same' as an agent of an earlier release wrote its spec (no
+    protocol number: before 2026-12-07, when a round's close began to empty old plans)."""
+    from elastic_runner.config import EtcdConfig
+    from elastic_runner.etcd.client import EtcdClient
+
+    endpoint = ctx.request.getfixturevalue("etcd").endpoint
+    client = EtcdClient(EtcdConfig((endpoint,), 2.0, 5.0))
+    ctx.stack.callback(client.close)
+    client.put("/elastic-runner/v2/same/spec", json.dumps(
+        {"min_nodes": 1, "max_nodes": 4, "fingerprint": "0123456789abcdef", "min_workers": 0,
+         "max_workers": 0}).encode())
+    ctx.values["endpoint"] = endpoint
+
+
 def full_etcd(ctx: Context) -> None:
     """An etcd whose space quota is used up (its NOSPACE alarm): it refuses writes."""
     from elastic_runner.config import EtcdConfig
@@ -238,6 +254,10 @@ CASES = [
                                            "--min-nodes", "1", "--max-nodes", "3",
                                            "--node-id", "agent2", c.values["sleeper"]],
                  5, ["different job", "max_nodes 2 (run) vs 3"], id="spec-mismatch"),
+    pytest.param(older_release_run, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
+                                               "--run-id", "same", c.script],
+                 5, ["different job", "elastic-runner protocol 1 (run) vs 2 (this node)",
+                     "one elastic-runner version on every node"], id="older-release-run"),
     pytest.param(full_etcd, lambda c: ["--rdzv-endpoints", c.values["endpoint"], c.script],
                  4, ["is full and refused", "alarm disarm", "--auto-compaction-retention"],
                  id="etcd-out-of-space"),

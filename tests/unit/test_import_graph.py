@@ -105,9 +105,11 @@ def test_nothing_outside_cli_imports_cli(graph):
 
 
 def test_the_protocol_imports_nothing_from_the_project(graph):
-    # Its members' columns (member_table.py) are values too, and import nothing.
-    assert graph["rendezvous.protocol"] <= {"rendezvous.member_table"}
+    # Its members' columns (member_table.py) and the run's spec (job_spec.py) are
+    # values too, and import nothing.
+    assert graph["rendezvous.protocol"] <= {"rendezvous.member_table", "rendezvous.job_spec"}
     assert graph["rendezvous.member_table"] == set()
+    assert graph["rendezvous.job_spec"] == set()
     # The rendezvous's decisions: pure functions over the protocol's values.
     assert graph["rendezvous.decisions"] <= {"rendezvous", "rendezvous.protocol"}
     # Who gets which rank: pure functions over the protocol's values.

@@ -405,3 +405,20 @@ def test_only_the_store_and_the_event_log_are_passive_whatever_the_run_id(run_id
     passive = [p.store_prefix(prefix, 3) + "k", p.event_key(prefix, 12, "n1")]
     assert [key for key in deciding if p.is_passive_key(key)] == []
     assert all(p.is_passive_key(key) for key in passive)
+
+
+# ---- the protocol number in the spec ------------------------------------------------
+def test_the_spec_carries_the_protocol_in_the_fingerprint_older_agents_compare():
+    raw = json.loads(p.JobSpec(1, 4, "abcdef0123456789").to_json())
+    assert raw["fingerprint"] == f"abcdef0123456789+protocol-{p.RUN_PROTOCOL}"
+    assert "protocol" not in raw  # an older agent's JobSpec(**fields) takes every field
+
+
+def test_a_spec_an_older_release_wrote_is_protocol_1_and_refused_with_one_line():
+    older = json.dumps({"min_nodes": 1, "max_nodes": 4, "fingerprint": "abcdef0123456789",
+                        "min_workers": 0, "max_workers": 0}).encode()
+    existing = p.JobSpec.from_json(older)
+    assert (existing.fingerprint, existing.protocol) == ("abcdef0123456789", 1)
+    text = p.spec_conflict(existing, p.JobSpec(1, 4, "abcdef0123456789"))
+    assert text == (f"elastic-runner protocol 1 (run) vs {p.RUN_PROTOCOL} (this node): run one "
+                    "elastic-runner version on every node of a run")
