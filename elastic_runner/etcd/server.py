@@ -88,6 +88,8 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 # A fresh member whose ports we picked tries others this many times when one was
 # taken between the pick and etcd's bind (another process's connection or server).
 PORT_ATTEMPTS = 3
+# pause(): the longest it waits for every thread of a SIGSTOPped server to stop.
+PAUSE_SETTLE_S = 5.0
 PORT_TAKEN = b"address already in use"
 
 
@@ -223,8 +225,16 @@ class EmbeddedEtcd:
             return False
 
     def pause(self) -> None:
-        """Freeze the server (SIGSTOP): connections stay open but nothing answers."""
+        """Freeze the server (SIGSTOP): connections stay open but nothing answers.
+
+        Returns once every thread is stopped: kill() returns when one thread is told,
+        and that thread stops the others only when it next runs (Linux's group stop,
+        kernel/signal.c: do_signal_stop). On a loaded machine the others went on for
+        a while: a keep-alive sent right after the signal was answered at once."""
         self.process.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + PAUSE_SETTLE_S
+        while not _all_threads_stopped(self.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def resume(self) -> None:
         self.process.send_signal(signal.SIGCONT)
@@ -294,3 +304,14 @@ class EmbeddedEtcdCluster:
 
     def __exit__(self, *exc_info) -> None:
         self.cleanup()
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of `pid` in the stopped state (T), from /proc; True where /proc
+    cannot tell (not Linux, or the process is gone)."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks]
+    except OSError:
+        return True
+    return all(state in ("T", "t") for state in states)
