@@ -308,10 +308,17 @@ class EmbeddedEtcdCluster:
 
 def _all_threads_stopped(pid: int) -> bool:
     """Every thread of `pid` in the stopped state (T), from /proc; True where /proc
-    cannot tell (not Linux, or the process is gone)."""
+    cannot tell (not Linux, or the process is gone). A thread that ended meanwhile
+    is skipped."""
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
-        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks]
     except OSError:
         return True
-    return all(state in ("T", "t") for state in states)
+    for task in tasks:
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
