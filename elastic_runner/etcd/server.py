@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from elastic_runner._process import bound_to_parent, stop_process
+from elastic_runner._process import bound_to_parent, stat_fields, stop_process
 from elastic_runner.errors import EtcdBinaryNotFound, EtcdUnavailable
 
 INSTALL_HINT = (
@@ -311,14 +311,8 @@ def _all_threads_stopped(pid: int) -> bool:
     cannot tell (not Linux, or the process is gone). A thread that ended meanwhile
     is skipped."""
     try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        threads = [task.name for task in Path(f"/proc/{pid}/task").iterdir()]
     except OSError:
         return True
-    for task in tasks:
-        try:
-            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state not in ("T", "t"):
-            return False
-    return True
+    states = [fields[0] for fields in map(stat_fields, threads) if fields]
+    return all(state in (b"T", b"t") for state in states)

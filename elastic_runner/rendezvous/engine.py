@@ -55,8 +55,7 @@ RESYNC_AFTER_S = 5.0
 # The longest a non-deputy in an open round sleeps between looks (a change of the
 # round key or of the deputies wakes it sooner).
 FOLLOWER_LOOK_S = 5.0
-# ping(write=True): etcd's NOSPACE alarm refuses lease grants (3.4 and 3.5 checked).
-WRITE_PROBE_TTL_S = 5
+WRITE_PROBE_TTL_S = 5  # ping(write=True): a full etcd refuses lease grants (3.4, 3.5)
 
 
 class EtcdRendezvous(WhileRunning):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
+from elastic_runner._process import stat_fields
 from elastic_runner.agent.workers import WorkerGroup
 from elastic_runner.config import WorkerConfig
 from elastic_runner.contract import PYTHON_ENTRY, WorkerEnv
@@ -45,8 +45,5 @@ def test_the_worker_that_ended_first_is_named_though_both_were_found_gone_at_one
 
 def ended(pid: int) -> bool:
     """Exited: reaped already, or a zombie waiting to be."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+    fields = stat_fields(pid)
+    return fields is None or fields[0] == b"Z"
