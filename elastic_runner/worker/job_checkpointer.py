@@ -24,6 +24,7 @@ from elastic_runner.worker.checkpoint import checkpointer as _checkpoint
 from elastic_runner.worker.checkpoint.background import BackgroundWriter
 from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore, RelayedLatestStore
 from elastic_runner.worker.checkpoint.objects import holds_objects, state_of
+from elastic_runner.worker.checkpoint.pending_record import PendingRecord
 from elastic_runner.worker.quick_exit import exit_for_resize
 from elastic_runner.worker.runtime import Context, current, finish
 
@@ -85,6 +86,8 @@ class Checkpointer(_checkpoint.Checkpointer):
             log.warning("%s (training goes on from the state in memory)", error)
         context = self._context
         self.rank, self._world_size = context.rank, context.world_size
+        if self.rank != 0:  # not the writer now: the new rank 0 records with its next save
+            self._pending = PendingRecord()
         if self._sharded is not None:
             self._sharded.rebind()
         if (self.rank == 0 or self._sharded is not None) and not self._closed:

@@ -7,10 +7,14 @@ fills etcd; one node gets a spot notice. It cannot announce it (a write) but lea
 its workers and waits with one line that says what to do. An operator frees space
 as the line says (delete, compact, defragment, disarm, with etcdctl) and the same
 agent, never restarted, re-forms the job. Before, both agents ended with exit 4.
+
+A full etcd with no change of membership costs nothing: the worker keeps training,
+its checkpoints are written but not recorded, and the first save after the fix is.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -21,8 +25,9 @@ from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import EtcdFull
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.etcd.server import EmbeddedEtcd
+from elastic_runner.rendezvous.protocol import checkpoint_key, run_prefix
 from tests.conftest import available_etcd_binaries
-from tests.e2e.harness import Job
+from tests.e2e.harness import MLP, Job, read_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -93,6 +98,46 @@ def test_a_full_etcd_is_waited_out_and_the_job_re_forms_once_space_is_freed(smal
         rows = job.wait_world(1, after=full_at, timeout=90)
         assert int(rows[0]["ELASTIC_RUN_ROUND"]) > int(formed[0]["ELASTIC_RUN_ROUND"])
         assert job.agents["a"].poll() is None
+    finally:
+        client.close()
+        job.stop_all()
+
+
+def recorded_step(client: EtcdClient, run_id: str) -> int | None:
+    record = client.get(checkpoint_key(run_prefix(run_id)))
+    return None if record is None else json.loads(record.value)["step"]
+
+
+def test_a_full_etcd_does_not_stop_training_and_the_first_save_after_the_fix_is_recorded(
+        small_etcd, tmp_path):
+    ckpt_dir, trace = tmp_path / "ckpt", tmp_path / "trace.jsonl"
+    job = Job(small_etcd.endpoint, tmp_path, nproc=1, min_nodes=1, max_nodes=1, script=MLP)
+    job.script_args = ("--checkpoint-dir", str(ckpt_dir), "--every", "4", "--samples", "8192",
+                       "--global-batch", "32", "--step-time", "0.05", "--trace", str(trace),
+                       "--fast-file", str(job.fast_file))
+    client = EtcdClient(EtcdConfig((small_etcd.endpoint,), 2.0, 5.0))
+    try:
+        job.start("a")
+        job.wait_for(lambda: recorded_step(client, job.run_id), 90, "a first checkpoint record")
+        assert fill(client) > 0
+        before = recorded_step(client, job.run_id)
+        job.wait_for(lambda: trace.exists() and read_jsonl(trace)[-1]["step"] >= before + 20,
+                     60, "training 20 steps past the recorded checkpoint")
+        log = job.agent_log("a")
+        assert "is written and verified" in log and "is full and refused" in log, log
+        assert recorded_step(client, job.run_id) == before
+        on_disk = sorted(int(d.name[5:]) for d in ckpt_dir.iterdir() if d.name.startswith("step-"))
+        assert before in on_disk and max(on_disk) >= before + 15, on_disk  # keep=3 held back
+        assert "waiting up to" not in log and job.agents["a"].poll() is None
+        free_space(small_etcd.endpoint)
+        job.wait_for(lambda: recorded_step(client, job.run_id) > before, 60,
+                     "a checkpoint recorded after the fix")
+        job.hurry()
+        assert job.wait_exit("a", timeout=120) == 0, job.agent_log("a")
+        rows = read_jsonl(trace)
+        assert {row["round"] for row in rows} == {rows[0]["round"]}  # one worker, never restarted
+        assert recorded_step(client, job.run_id) == rows[-1]["step"] == 256  # the last save
+        assert "takes writes again" in job.agent_log("a")
     finally:
         client.close()
         job.stop_all()

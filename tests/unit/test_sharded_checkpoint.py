@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from elastic_runner.errors import CheckpointError, CheckpointWriteError, StaleWriterError
+from elastic_runner.errors import (CheckpointError, CheckpointWriteError, EtcdFull,
+                                   StaleWriterError)
 from elastic_runner.events import read_jsonl
 from elastic_runner.worker import job_checkpointer, runtime
 from elastic_runner.worker.checkpoint import sharded_files
@@ -208,6 +209,43 @@ def test_a_failed_async_save_is_raised_by_the_next_call_and_never_recorded(group
     ckpt.close()
     assert store.read()["step"] == 4
     assert "step-00000002" not in steps_on_disk(tmp_path)  # the uncommitted one is gone
+
+
+class FullStore(MemoryLatestStore):
+    """Reads answer; while `full`, every publish raises as etcd past its quota does."""
+
+    full = False
+
+    def publish(self, record):
+        if self.full:
+            raise EtcdFull("etcd at 127.0.0.1:1 is full and refused a transaction")
+        return super().publish(record)
+
+
+def test_a_save_etcd_cannot_record_is_kept_untidied_and_the_next_one_records(group,
+                                                                            tmp_path):
+    """pending_record.py: training goes on through a full etcd; the recorded step's
+    shards survive keep=1 until a newer save is recorded; an unrecorded last save is
+    one clear error at close."""
+    store, objs = FullStore(), objects()
+    ckpt = Checkpointer(tmp_path, sharded=True, keep=1, latest_store=store)
+    ckpt.save(1, objs)
+    store.full = True
+    train(objs)
+    ckpt.save(2, objs)  # no error
+    assert store.read()["step"] == 1
+    assert steps_on_disk(tmp_path) == ["step-00000001", "step-00000002"]
+    fresh = objects(seed=5)
+    assert Checkpointer(tmp_path, sharded=True, latest_store=store).restore(fresh) == 1
+    store.full = False
+    train(objs)
+    ckpt.save(3, objs)
+    assert store.read()["step"] == 3 and steps_on_disk(tmp_path) == ["step-00000003"]
+    store.full = True
+    ckpt.save(4, objs)
+    with pytest.raises(CheckpointError, match="step 4 .*never recorded"):
+        ckpt.close()
+    assert store.read()["step"] == 3
 
 
 def test_a_stale_writer_is_refused_before_it_writes_anything(group, tmp_path):

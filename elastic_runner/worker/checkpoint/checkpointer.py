@@ -15,7 +15,9 @@ training, loads at start.
 
 A save counts only once it is durable: written, read back and verified, and
 published to `latest_store`. Only then is `_saved()` called (the runtime logs
-`checkpoint_saved` there), from the writer thread for async saves. An async save
+`checkpoint_saved` there), from the writer thread for async saves. One the store
+cannot record for an outage (etcd full or gone) is kept on storage, unrecorded and
+untidied, and training goes on: pending_record.py. An async save
 that fails is raised, as a `CheckpointError` naming the step and the cause, by
 the next `save()`, `due()`, `wait()` or `close()`, or at interpreter exit
 (checkpoint_async), so a worker never exits 0 with its last checkpoint missing.
@@ -52,6 +54,7 @@ from elastic_runner.worker.checkpoint.latest import (
     refuses,
 )
 from elastic_runner.worker.checkpoint import verdicts
+from elastic_runner.worker.checkpoint.pending_record import PendingRecord
 from elastic_runner.worker.checkpoint.storage import Storage as _Storage
 from elastic_runner.worker.checkpoint.verdicts import (
     MANIFEST_FILE, OtherFormat, Unreadable, Unverified,
@@ -125,6 +128,7 @@ class Checkpointer:
         self._world_size = dist_world if world_size is None else world_size
         self._storage = _Storage(os.fspath(url_or_path), storage_options or {})
         self._latest = latest_store
+        self._pending = PendingRecord()  # a save the store could not record yet (outage)
         self._requested = threading.Event()
         self._verified: dict[int, str] = {}  # step -> sha256 already hashed
         self._writer: BackgroundWriter | None = None  # async_save on rank 0
@@ -232,6 +236,8 @@ class Checkpointer:
         self._closed = True
         if self._writer is not None:
             self._writer.close()
+        if self._latest is not None and not self._pending.offer_last(self._latest.publish):
+            raise self._stale(self._pending.record["step"])
 
     def load_latest(self) -> Any:
         """Payload of the newest verified checkpoint, or None if there is none.
@@ -392,9 +398,9 @@ class Checkpointer:
         sha = hashlib.sha256(data).hexdigest()
         self._check_fence(step, sha)
         record = self._record_of(step, self._commit(step, data, sha))
-        self._publish(record)
-        self._saved(step, record["url"], round(time.monotonic() - started, 3))
-        self._tidy(step)
+        if self._publish(record):
+            self._saved(step, record["url"], round(time.monotonic() - started, 3))
+            self._tidy(step)
 
     def _check_fence(self, step: int, sha: str) -> None:
         """Keep a writer already known to be stale from clobbering published files.
@@ -444,9 +450,15 @@ class Checkpointer:
             raise CheckpointWriteError(f"read-back of {st.url(d)} failed: {exc}") from None
         return manifest
 
-    def _publish(self, record: dict[str, Any]) -> None:
-        if self._latest is not None and not self._latest.publish(record):
+    def _publish(self, record: dict[str, Any]) -> bool:
+        """True once recorded; False when the store is out (pending_record.py says why
+        training goes on then, with nothing tidied)."""
+        if self._latest is None:
+            return True
+        accepted = self._pending.publish(self._latest.publish, record)
+        if accepted is False:
             raise self._stale(record["step"])  # the files stay, but are not the latest
+        return bool(accepted)
 
     # ---- tidying (after a published save) ---------------------------------------------
     def _tidy(self, saved: int) -> None:

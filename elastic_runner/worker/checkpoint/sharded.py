@@ -167,12 +167,13 @@ class ShardedFormat:
             mine, problem = {}, f"rank {rank} could not read back its shards: {exc}"
         tables: list[Any] = [None] * dist.get_world_size(self._group)
         dist.all_gather_object(tables, (mine, problem), group=self._group)
-        self._agree(lambda: self._commit(step, tables, started))
-        if rank == 0:
+        recorded = self._agree(lambda: self._commit(step, tables, started))
+        if rank == 0 and recorded:
             self._tidy(step)
 
-    def _commit(self, step: int, tables: list[Any], started: float) -> None:
-        """Rank 0: the manifest, last; then the record; then the hooks."""
+    def _commit(self, step: int, tables: list[Any], started: float) -> bool:
+        """Rank 0: the manifest, last; then the record; then the hooks. False: written
+        but not recorded, the store being out (pending_record.py)."""
         owner, storage = self._owner, self._owner._storage
         directory = owner._dir(step)
         table: dict[str, Any] = {}
@@ -192,10 +193,11 @@ class ShardedFormat:
                 f"{exc}. Earlier checkpoints are intact; free space or fix permissions "
                 "and save again.") from exc
         record = self.record_of(step, manifest)
-        if owner._latest is not None and not owner._latest.publish(record):
-            raise owner._stale(step)
         owner._verified[step] = manifest["sha256"]
+        if not owner._publish(record):
+            return False
         owner._saved(step, record["url"], round(time.monotonic() - started, 3))
+        return True
 
     def record_of(self, step: int, manifest: Mapping[str, Any]) -> dict[str, Any]:
         return {"url": self._owner._storage.url(self._owner._dir(step)), "step": step,
