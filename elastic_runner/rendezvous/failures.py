@@ -6,6 +6,30 @@ round left in etcd), so both say the same thing.
 
 from __future__ import annotations
 
+# What a worker's last words say when it died because a peer did: its collective
+# lost the connection (gloo: "[.../gloo/transport/tcp/pair.cc:553] Connection closed
+# by peer [addr]:port. This is typically caused by a remote worker crashing"; NCCL:
+# "remote process exited or there was a network error"; torch's store:
+# DistNetworkError), or gave up waiting for a peer that hung (gloo: "Timed out waiting").
+_PEER_LOST_SIGNS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+                    "Broken pipe", "remote process exited", "DistNetworkError",
+                    "Timed out waiting")
+_LAST_WORDS = 3  # stderr lines read: a traceback ends with its exception
+
+
+def lost_a_peer(failure: dict) -> bool:
+    """The worker died because another one did, as far as its last words say.
+
+    Why it matters: when a worker crashes, its peers on other nodes die of it within
+    milliseconds, and their agents may report first; the job's error must still name
+    the worker that crashed (running.report_failure lets a report of a cause replace
+    one of a lost peer). A signal or a stall is never a lost peer: something ended or
+    froze that worker itself."""
+    if failure.get("signal") or failure.get("stalled_s"):
+        return False
+    words = [failure.get("error") or "", *(failure.get("stderr_tail") or [])[-_LAST_WORDS:]]
+    return any(sign in str(line) for line in words for sign in _PEER_LOST_SIGNS)
+
 
 def describe_exit(failure: dict) -> str:
     if failure.get("stalled_s"):

@@ -16,10 +16,11 @@ import logging
 from dataclasses import dataclass
 
 from elastic_runner.errors import EtcdError, EtcdUnavailable
-from elastic_runner.etcd.client import Get, mod_revision_is
+from elastic_runner.etcd.client import Get, Put, mod_revision_is
 from elastic_runner.etcd.values import MAX_TXN_OPS
 from elastic_runner.rendezvous import decisions as d
 from elastic_runner.rendezvous import protocol as p
+from elastic_runner.rendezvous.failures import lost_a_peer
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,16 @@ class WhileRunning:
 
     # ---- records besides rounds (failures, events, notices, the in-place mark) ---
     def report_failure(self, number: int, failure: dict) -> None:
-        """Record the first failure of a round: the one the job's error will name."""
-        self._client.create_if_absent(p.failure_key(self.prefix, number),
-                                      json.dumps(failure).encode())
+        """Record the failure of a round that the job's error will name: the first one
+        reported, unless it is a worker that died of a lost peer (failures.lost_a_peer)
+        and this one is not; agents' clocks cannot order exits on two machines, but
+        the victims' own words say who they were."""
+        key, value = p.failure_key(self.prefix, number), json.dumps(failure).encode()
+        if self._client.create_if_absent(key, value) or lost_a_peer(failure):
+            return
+        recorded = self._client.get(key)
+        if recorded is not None and lost_a_peer(json.loads(recorded.value)):
+            self._client.txn([mod_revision_is(key, recorded.mod_revision)], [Put(key, value)])
 
     def publish_event(self, record: dict) -> None:
         """A copy of an event for `status`, where it is this node's to copy (event_copy.py)."""

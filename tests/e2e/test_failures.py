@@ -1,10 +1,14 @@
-"""Worker failures: counted once per round, job-wide, and fatal after --max-restarts."""
+"""Worker failures: counted once per round, job-wide, and fatal after --max-restarts.
+
+On the torch-free probe (socket_world), whose victims die within milliseconds of the
+crash, as fast as any: the job's error must still name the worker that crashed, not a
+victim whose agent reported first (rendezvous/failures.lost_a_peer)."""
 
 from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.socket_probe]  # about the agents, not torch
 
 
 def test_crash_loop_ends_with_one_line_naming_the_worker(job, tmp_path):

@@ -91,5 +91,8 @@ def _connect(addr: str, port: int, rank: int, timeout_s: float) -> socket.socket
 def _read_line(lines) -> str:
     line = lines.readline()
     if not line.endswith(b"\n"):
-        raise ConnectionError("a peer of the round closed its connection")
+        # gloo's words for it (failures.lost_a_peer reads them): "... Connection closed by
+        # peer [addr]:port. This is typically caused by a remote worker crashing."
+        raise ConnectionError("Connection closed by peer: a peer of the round closed its "
+                              "connection (socket_world)")
     return line.decode().strip()
