@@ -64,6 +64,8 @@ class Checkpointer(_checkpoint.Checkpointer):
         if self._own_store:
             writer = (context.rank if rank is None else rank) == 0
             latest_store = _etcd_store(context, writer)
+        if context is not None:  # its manifests name the run: folder_claim.py
+            kwargs.setdefault("run_id", context.run_id)
         super().__init__(url_or_path, keep=keep, every=every, async_save=async_save, rank=rank,
                          latest_store=latest_store, **kwargs)
         self._context = context

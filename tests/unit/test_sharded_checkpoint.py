@@ -248,6 +248,25 @@ def test_a_save_etcd_cannot_record_is_kept_untidied_and_the_next_one_records(gro
     assert store.read()["step"] == 3
 
 
+def test_a_second_run_saving_shards_into_the_folder_is_refused(group, tmp_path):
+    """folder_claim.py in the sharded format: refused on every rank before DCP writes."""
+    objs = objects()
+    first = Checkpointer(tmp_path, sharded=True, latest_store=MemoryLatestStore(),
+                         run_id="run-a")
+    first.save(10, objs)
+    manifest = json.loads((tmp_path / "step-00000010" / "MANIFEST.json").read_text())
+    assert manifest["run_id"] == "run-a"
+    second = Checkpointer(tmp_path, sharded=True, latest_store=MemoryLatestStore(),
+                          run_id="run-b")
+    with pytest.raises(CheckpointError, match="holds step 10 of run 'run-a'"):
+        second.save(10, objs)
+    assert json.loads((tmp_path / "step-00000010" / "MANIFEST.json").read_text()) == manifest
+    fresh = objects(seed=4)
+    assert second.restore(fresh) == 10  # it resumes from that run's step: then it may save
+    second.save(20, fresh)
+    assert steps_on_disk(tmp_path) == ["step-00000010", "step-00000020"]
+
+
 def test_a_stale_writer_is_refused_before_it_writes_anything(group, tmp_path):
     store = MemoryLatestStore({"url": "x", "step": 50, "sha256": "ab", "world_size": 4})
     ckpt = Checkpointer(tmp_path, sharded=True, latest_store=store)

@@ -7,7 +7,7 @@ renamed into place and committed by writing MANIFEST.json last::
 
     <root>/step-00000123/state.pt        torch.save bytes
     <root>/step-00000123/MANIFEST.json   {"format": 1, "step", "sha256", "bytes",
-                                          "created", "world_size" (when known)}
+                                          "created", "world_size", "run_id" (known)}
 
 Every rank's `load_latest()` reads the same root (and `latest_store`), so all
 ranks resolve the same step as long as no save is in flight: saves happen during
@@ -54,6 +54,7 @@ from elastic_runner.worker.checkpoint.latest import (
     refuses,
 )
 from elastic_runner.worker.checkpoint import verdicts
+from elastic_runner.worker.checkpoint.folder_claim import MANIFEST_RUN, FolderClaim
 from elastic_runner.worker.checkpoint.pending_record import PendingRecord
 from elastic_runner.worker.checkpoint.storage import Storage as _Storage
 from elastic_runner.worker.checkpoint.verdicts import (
@@ -102,7 +103,7 @@ class Checkpointer:
                  latest_store: LatestStore | None = None, *, weights_only: bool = True,
                  world_size: int | None = None,
                  storage_options: Mapping[str, Any] | None = None,
-                 sharded: bool = False) -> None:
+                 sharded: bool = False, run_id: str | None = None) -> None:
         """Open the root; rank 0 proves it can write there now, not at step N.
 
         Args:
@@ -117,6 +118,8 @@ class Checkpointer:
             storage_options: passed to fsspec (credentials, endpoints).
             sharded: every rank writes its own shards with torch.distributed.checkpoint
                 and restore(objects) reshards them (sharded.py); needs a process group.
+            run_id: named in each manifest; another run's steps are then neither
+                overwritten nor tidied away (folder_claim.py).
 
         Raises:
             CheckpointError: rank 0 (sharded: any rank) cannot write to the root, no
@@ -129,6 +132,7 @@ class Checkpointer:
         self._storage = _Storage(os.fspath(url_or_path), storage_options or {})
         self._latest = latest_store
         self._pending = PendingRecord()  # a save the store could not record yet (outage)
+        self._claim = FolderClaim(self._storage, run_id, self._dir)
         self._requested = threading.Event()
         self._verified: dict[int, str] = {}  # step -> sha256 already hashed
         self._writer: BackgroundWriter | None = None  # async_save on rank 0
@@ -397,6 +401,7 @@ class Checkpointer:
         data = buf.getvalue()
         sha = hashlib.sha256(data).hexdigest()
         self._check_fence(step, sha)
+        self._claim.check_before_writing(step, self.loaded_step)
         record = self._record_of(step, self._commit(step, data, sha))
         if self._publish(record):
             self._saved(step, record["url"], round(time.monotonic() - started, 3))
@@ -425,6 +430,8 @@ class Checkpointer:
                                     "bytes": len(data), "created": time.time()}
         if self._world_size is not None:
             manifest["world_size"] = self._world_size
+        if self._claim.run_id is not None:
+            manifest[MANIFEST_RUN] = self._claim.run_id
         wrote_state, made_dir = False, not st.fs.exists(d)
         try:
             st.fs.makedirs(d, exist_ok=True)
@@ -462,8 +469,8 @@ class Checkpointer:
 
     # ---- tidying (after a published save) ---------------------------------------------
     def _tidy(self, saved: int) -> None:
-        verdicts.tidy(self._storage, self._dir, self._verify, self._remove, self.config.keep,
-                      saved)
+        verdicts.tidy(self._storage, self._dir, self._claim.protecting(
+            self._verify, self.loaded_step), self._remove, self.config.keep, saved)
 
     def _remove(self, step: int) -> None:
         d = self._dir(step)

@@ -142,6 +142,7 @@ class ShardedFormat:
         record = owner._latest.read() if owner._latest is not None else None
         if record is not None and not names_no_checkpoint(record) and record["step"] >= step:
             raise owner._stale(step)
+        owner._claim.check_before_writing(step, owner.loaded_step)
         directory = owner._dir(step)
         if owner._storage.fs.exists(directory):
             try:
@@ -181,7 +182,7 @@ class ShardedFormat:
             if problem:
                 raise CheckpointWriteError(f"checkpoint step {step} not committed: {problem}")
             table.update(mine)
-        manifest = files.build_manifest(step, dist.get_world_size(), table)
+        manifest = files.build_manifest(step, dist.get_world_size(), table, owner._claim.run_id)
         try:
             storage.write_atomic(f"{directory}/{files.MANIFEST_FILE}",
                                  json.dumps(manifest, indent=1).encode())
@@ -326,4 +327,5 @@ class ShardedFormat:
         def verify(step: int) -> None:
             directory = owner._dir(step)
             files.check_sizes(storage, directory, files.read_manifest(storage, directory, step))
-        verdicts.tidy(storage, owner._dir, verify, owner._remove, owner.config.keep, saved)
+        verdicts.tidy(storage, owner._dir, owner._claim.protecting(verify, owner.loaded_step),
+                      owner._remove, owner.config.keep, saved)

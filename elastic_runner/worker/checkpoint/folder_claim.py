@@ -1,0 +1,86 @@
+"""Two runs saving into one checkpoint folder: refused before either loses a checkpoint.
+
+Why: a folder is easy to share by accident (a script's default `--checkpoint-dir`, a
+command copied with a new `--run-id`). Each run's record fences only that run, so
+without this its writer would overwrite the other's step directories (a step the
+other run recorded then fails its sha256 check and that run falls back) and its
+tidying would delete the other's checkpoints as if they were its own old ones.
+
+The rule, per step directory, from the run id its manifest names (manifests written
+outside elastic-run, or before this rule, name none and belong to nobody):
+- a run *adopts* another run's steps up to the one it resumed from (loaded_step):
+  resuming from a finished or failed run's checkpoints under a new run id is how a job
+  is continued, and its tidying then cleans them up as its own;
+- another run's step above that is evidence of a second writer here now: the save is
+  refused with one line, before anything is written, and tidying never deletes it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+from elastic_runner.errors import CheckpointError
+from elastic_runner.worker.checkpoint.storage import Storage
+from elastic_runner.worker.checkpoint.verdicts import MANIFEST_FILE, Unreadable
+
+MANIFEST_RUN = "run_id"
+
+
+class AnotherRuns(Unreadable):
+    """A step another run wrote after the one this run resumed from: never deleted."""
+
+
+class FolderClaim:
+    """One writer's view of whose steps are in its folder."""
+
+    def __init__(self, storage: Storage, run_id: str | None,
+                 directory_of: Callable[[int], str]) -> None:
+        self._storage, self.run_id, self._directory_of = storage, run_id, directory_of
+
+    def check_before_writing(self, step: int, adopted: int | None) -> None:
+        """Raise CheckpointError if another run wrote here past what this one resumed from.
+
+        Newest first, up to this run's own newest step: a second writer whose steps lie
+        below it is behind, and is the one refused (it meets ours), so a save reads one
+        manifest or two, not the folder."""
+        if self.run_id is None:
+            return
+        for other in self._storage.steps():
+            if adopted is not None and other <= adopted:
+                return  # the history this run resumed from
+            owner = self._owner(other)
+            if owner == self.run_id:
+                return
+            if owner is not None:
+                resumed = f"step {adopted}" if adopted is not None else "any step"
+                raise CheckpointError(
+                    f"checkpoint folder {self._storage.url(self._storage.root)} holds step "
+                    f"{other} of run {owner!r}, past {resumed} this run ({self.run_id!r}) "
+                    f"resumed from. Two runs saving into one folder overwrite and delete each "
+                    f"other's checkpoints, so step {step} is not written: give each run its "
+                    "own checkpoint folder (to continue an ended run, start the new one by "
+                    "loading its checkpoints)")
+
+    def protecting(self, verify: Callable[[int], object],
+                   adopted: int | None) -> Callable[[int], object]:
+        """`verify` for tidying, raising AnotherRuns for a step it must keep."""
+        def checked(step: int) -> object:
+            result = verify(step)
+            if self.run_id is not None and (adopted is None or step > adopted):
+                owner = self._owner(step)
+                if owner is not None and owner != self.run_id:
+                    raise AnotherRuns(f"step {step} is run {owner!r}'s")
+            return result
+        return checked
+
+    def _owner(self, step: int) -> str | None:
+        """The run its manifest names, in either format; None: nobody's, or no usable
+        manifest (a save cut short is no evidence of a writer)."""
+        try:
+            manifest = json.loads(self._storage.fs.cat_file(
+                f"{self._directory_of(step)}/{MANIFEST_FILE}"))
+        except (OSError, ValueError):
+            return None
+        owner = manifest.get(MANIFEST_RUN) if isinstance(manifest, dict) else None
+        return owner if isinstance(owner, str) else None

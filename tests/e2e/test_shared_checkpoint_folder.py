@@ -1,0 +1,69 @@
+"""Two jobs started by accident with one checkpoint folder (a script's default
+`--checkpoint-dir`, a command copied with a new `--run-id`): one of them is refused
+with one line, the other finishes with every checkpoint it recorded intact
+(worker/checkpoint/folder_claim.py).
+
+Before: both trained to the end and exited 0, each overwriting the other's step
+directories (they save at the same step numbers), so a record's sha256 no longer
+matched its checkpoint and a restart of that job fell back, silently losing work.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from elastic_runner.config import EtcdConfig
+from elastic_runner.etcd.client import EtcdClient
+from elastic_runner.rendezvous.protocol import checkpoint_key, run_prefix
+from tests.e2e.harness import MLP, Job
+
+pytestmark = pytest.mark.e2e
+
+CLASH = "Two runs saving into one folder overwrite and delete each other's checkpoints"
+
+
+def record(client: EtcdClient, run_id: str) -> dict | None:
+    found = client.get(checkpoint_key(run_prefix(run_id)))
+    return None if found is None else json.loads(found.value)
+
+
+def test_a_second_job_saving_into_the_same_folder_is_refused_and_the_first_loses_nothing(
+        etcd, tmp_path):
+    folder = tmp_path / "ckpt"
+    jobs = {}
+    for run_id in ("first", "second"):
+        (tmp_path / run_id).mkdir()
+        jobs[run_id] = Job(etcd.endpoint, tmp_path / run_id, run_id=run_id, nproc=1,
+                           min_nodes=1, max_nodes=1, script=MLP, script_args=(
+                               "--checkpoint-dir", str(folder), "--every", "4",
+                               "--samples", "4096", "--global-batch", "32",
+                               "--step-time", "0.05"))
+    client = EtcdClient(EtcdConfig((etcd.endpoint,), 2.0, 5.0))
+    try:
+        jobs["first"].start("a", max_restarts=1)
+        deadline = time.monotonic() + 90
+        while (record(client, "first") or {}).get("step", 0) < 10:
+            assert time.monotonic() < deadline, jobs["first"].agent_log("a")
+            time.sleep(0.1)
+        jobs["second"].start("a", max_restarts=1)
+        codes = {run_id: job.wait_exit("a", timeout=180) for run_id, job in jobs.items()}
+        assert sorted(codes.values()) == [0, 6], codes
+        loser = next(run_id for run_id, code in codes.items() if code == 6)
+        winner = next(run_id for run_id, code in codes.items() if code == 0)
+        refused = [line for line in jobs[loser].agent_log("a").splitlines() if CLASH in line]
+        assert refused and f"this run ('{loser}')" in refused[-1], jobs[loser].agent_log("a")
+        assert CLASH not in jobs[winner].agent_log("a")
+        kept = record(client, winner)
+        assert kept["step"] == 128  # the winner's last step, recorded
+        manifest = json.loads((folder / "step-00000128" / "MANIFEST.json").read_text())
+        assert manifest["sha256"] == kept["sha256"] and manifest["run_id"] == winner
+        for step_dir in folder.glob("step-*"):  # nothing of the loser's past the other's
+            owner = json.loads((step_dir / "MANIFEST.json").read_text())["run_id"]
+            assert owner == winner or int(step_dir.name[5:]) < kept["step"]
+    finally:
+        client.close()
+        for job in jobs.values():
+            job.stop_all()

@@ -1,0 +1,107 @@
+"""Two runs saving into one checkpoint folder (folder_claim.py): the second writer is
+refused with one line before it writes, tidying never deletes another run's newer
+steps, and a run that resumed from an ended run's checkpoints takes them over."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_runner.errors import CheckpointError
+from elastic_runner.worker.checkpoint.checkpointer import Checkpointer, MemoryLatestStore
+
+
+def state(step: int) -> dict:
+    return {"step": step, "w": torch.full((3,), float(step))}
+
+
+def steps_on_disk(root: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in root.iterdir() if p.name.startswith("step-"))
+
+
+def manifest(root: Path, step: int) -> dict:
+    return json.loads((root / f"step-{step:08d}" / "MANIFEST.json").read_text())
+
+
+def run(root: Path, run_id: str | None, keep: int | None = 3) -> Checkpointer:
+    return Checkpointer(root, keep=keep, latest_store=MemoryLatestStore(), run_id=run_id)
+
+
+def test_a_second_run_saving_into_the_folder_is_refused_and_writes_nothing(tmp_path):
+    first = run(tmp_path, "run-a")
+    first.save(10, state(10))
+    first.save(20, state(20))
+    before = {step: manifest(tmp_path, step) for step in (10, 20)}
+    second = run(tmp_path, "run-b")
+    with pytest.raises(CheckpointError) as refused:
+        second.save(20, state(99))  # the step the first run recorded
+    line = str(refused.value)
+    assert "holds step 20 of run 'run-a', past any step this run ('run-b') resumed from" \
+        in line and "give each run its own checkpoint folder" in line and "\n" not in line
+    assert {step: manifest(tmp_path, step) for step in (10, 20)} == before
+    assert manifest(tmp_path, 20)["run_id"] == "run-a"
+    assert torch.equal(run(tmp_path, "run-a").load_latest()["w"], state(20)["w"])
+
+
+def test_a_run_that_resumed_is_refused_once_the_other_run_writes_past_that_step(tmp_path):
+    first = run(tmp_path, "run-a")
+    first.save(10, state(10))
+    second = run(tmp_path, "run-b")
+    assert second.load_latest()["step"] == 10
+    second.save(15, state(15))  # above what it resumed from, nobody else there: fine
+    with pytest.raises(CheckpointError, match=r"holds step 15 of run 'run-b', past any step "
+                                              r"this run \('run-a'\) resumed from"):
+        first.save(20, state(20))  # the writer behind meets the other's newer step
+    assert steps_on_disk(tmp_path) == [10, 15]
+    second.save(25, state(25))  # the one ahead goes on
+
+
+def test_a_run_continuing_an_ended_one_takes_its_checkpoints_over(tmp_path):
+    ended = run(tmp_path, "run-a")
+    for step in (10, 20, 30):
+        ended.save(step, state(step))
+    ended.close()
+    new = run(tmp_path, "run-b", keep=2)
+    assert new.load_latest()["step"] == 30
+    for step in (40, 50):
+        new.save(step, state(step))
+    assert steps_on_disk(tmp_path) == [40, 50]  # the adopted history tidied as its own
+    assert manifest(tmp_path, 50)["run_id"] == "run-b"
+
+
+def test_tidying_never_deletes_another_runs_step_above_the_adopted_one(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    other = run(elsewhere, "run-a", keep=None)
+    other.save(30, state(30))
+    root = tmp_path / "ckpt"
+    first = run(root, "run-a", keep=None)
+    first.save(10, state(10))
+    first.save(20, state(20))
+    mine = run(root, "run-b", keep=1)
+    assert mine.load_latest()["step"] == 20
+    mine.save(40, state(40))
+    shutil.copytree(elsewhere / "step-00000030", root / "step-00000030")  # a writer's late step
+    mine.save(50, state(50))
+    assert steps_on_disk(root) == [30, 50]
+
+
+def test_folders_of_plain_scripts_and_older_manifests_name_no_run(tmp_path):
+    """Outside elastic-run (no run id) nothing changes; a step without a run id in its
+    manifest (an older release's) belongs to nobody and blocks no one."""
+    plain = run(tmp_path, None)
+    plain.save(10, state(10))
+    assert "run_id" not in manifest(tmp_path, 10)
+    run(tmp_path, "run-b").save(20, state(20))
+    run(tmp_path, None).save(30, state(30))
+    assert steps_on_disk(tmp_path) == [10, 20, 30]
+
+
+def test_a_step_cut_short_is_no_evidence_of_another_writer(tmp_path):
+    (tmp_path / "step-00000090").mkdir(parents=True)  # no manifest: never committed
+    (tmp_path / "step-00000090" / "MANIFEST.json.tmp-x").write_text("{")
+    run(tmp_path, "run-b").save(10, state(10))
+    assert manifest(tmp_path, 10)["run_id"] == "run-b"
