@@ -67,3 +67,43 @@ def test_a_second_job_saving_into_the_same_folder_is_refused_and_the_first_loses
         client.close()
         for job in jobs.values():
             job.stop_all()
+
+
+def test_a_node_local_checkpoint_folder_is_one_clear_error_at_the_first_resize(etcd, tmp_path):
+    """`--checkpoint-dir ckpt` (the kind of relative default a script has) on two nodes
+    that do not share it: rank 0 on node a records its checkpoints in a's folder; once a
+    leaves, b's rank 0 cannot find the recorded step. Before, b skipped it as rot,
+    retracted the record and trained again from step 0 (exit 0, every step lost)."""
+    homes = {node: tmp_path / f"home-{node}" for node in ("a", "b")}
+    for home in homes.values():
+        home.mkdir()
+    job = Job(etcd.endpoint, tmp_path, nproc=1, min_nodes=1, max_nodes=2, script=MLP,
+              wrap={node: ["env", "-C", str(home)] for node, home in homes.items()},
+              script_args=("--checkpoint-dir", "ckpt", "--every", "5", "--samples", "4096",
+                           "--global-batch", "32", "--step-time", "0.05"))
+    client = EtcdClient(EtcdConfig((etcd.endpoint,), 2.0, 5.0))
+    try:
+        job.start("a")
+        job.wait_for(lambda: "world size 1" in job.agent_log("a"), 60, "a training alone")
+        job.start("b", max_restarts=1)
+        job.wait_for(lambda: "world size 2" in job.agent_log("b"), 60, "a and b together")
+        deadline = time.monotonic() + 90
+        while (record(client, job.run_id) or {}).get("step", 0) < 10:
+            assert time.monotonic() < deadline, job.agent_log("a")
+            time.sleep(0.1)
+        job.terminate("a")
+        assert job.wait_exit("a", timeout=60) == 0, job.agent_log("a")
+        recorded = record(client, job.run_id)
+        assert recorded["url"].startswith((homes["a"] / "ckpt").as_uri())
+        assert job.wait_exit("b", timeout=120) == 6, job.agent_log("b")
+        error = [line for line in job.agent_log("b").splitlines()
+                 if line.startswith("elastic-run: error:")]
+        assert len(error) == 1, job.agent_log("b")
+        assert (f"step {recorded['step']} ({recorded['url']}), is not in the checkpoint folder "
+                f"{(homes['b'] / 'ckpt').as_uri()}") in job.agent_log("b")
+        assert "a node-local path works on one node only" in job.agent_log("b")
+        assert record(client, job.run_id) == recorded  # not retracted
+        assert not list((homes["b"] / "ckpt").glob("step-*"))  # b never trained from scratch
+    finally:
+        client.close()
+        job.stop_all()

@@ -262,3 +262,26 @@ def test_the_newest_verified_step_survives_a_save_below_it(tmp_path):
     assert ckpt.load_latest()["step"] == 10
     ckpt.save(15, payload(15))
     assert step_dirs(tmp_path) == [15, 20, 30]  # 10 beyond keep; 20 and 30 above the save
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["the-new-writer", "a-reader"])
+def test_a_recorded_step_missing_from_this_folder_is_an_error_not_rot(tmp_path, rank):
+    """Another node's folder (a node-local path), or a changed --checkpoint-dir: the
+    recorded checkpoint is not there at all. Before, this rank skipped it and started
+    from what its own folder held (here step 5, or nothing) while the writer's node
+    resumed from step 20, and rank 0 retracted the record for everyone."""
+    store = MemoryLatestStore()
+    writer = Checkpointer(tmp_path / "node-a", latest_store=store)
+    writer.save(10, payload(10))
+    writer.save(20, payload(20))
+    record = store.read()
+    Checkpointer(tmp_path / "node-b").save(5, payload(5))  # this node's own older step
+    reader = Checkpointer(tmp_path / "node-b", rank=rank, latest_store=store)
+    with pytest.raises(CheckpointError) as missing:
+        reader.load_latest()
+    line = str(missing.value)
+    assert f"step 20 ({record['url']}), is not in the checkpoint folder" in line
+    assert "node-b as this rank sees it" in line and "a node-local path works on one node" \
+        in line and "\n" not in line
+    assert store.read() == record  # nothing retracted
+    assert step_dirs(tmp_path / "node-b") == [5] and step_dirs(tmp_path / "node-a") == [10, 20]

@@ -267,6 +267,19 @@ def test_a_second_run_saving_shards_into_the_folder_is_refused(group, tmp_path):
     assert steps_on_disk(tmp_path) == ["step-00000010", "step-00000020"]
 
 
+def test_a_recorded_step_missing_from_a_ranks_folder_is_an_error_not_rot(group, tmp_path):
+    """verdicts.absent_recorded_step: a rank that reads another folder than the writer
+    (a node-local path) fails with one line naming it; nothing is retracted."""
+    store, objs = MemoryLatestStore(), objects()
+    Checkpointer(tmp_path / "node-a", sharded=True, latest_store=store).save(10, objs)
+    record = store.read()
+    reader = Checkpointer(tmp_path / "node-b", sharded=True, latest_store=store)
+    with pytest.raises(CheckpointError, match=r"step 10 \(.*node-a/step-00000010\), is not in "
+                                              r"the checkpoint folder .*node-b as rank 0 sees"):
+        reader.restore(objects(seed=2))
+    assert store.read() == record
+
+
 def test_a_stale_writer_is_refused_before_it_writes_anything(group, tmp_path):
     store = MemoryLatestStore({"url": "x", "step": 50, "sha256": "ab", "world_size": 4})
     ckpt = Checkpointer(tmp_path, sharded=True, latest_store=store)

@@ -269,6 +269,8 @@ class Checkpointer:
         below = None
         if record is not None:
             below = int(record["step"])
+            if absent := verdicts.absent_recorded_step(self._storage, self._dir(below), record):
+                raise absent
             state = self._try_load(below, expect_sha=record.get("sha256"))
             if state is not _SKIPPED:
                 return state
@@ -316,7 +318,7 @@ class Checkpointer:
             if expect_sha is not None and manifest["sha256"] != expect_sha:
                 raise Unverified("its sha256 differs from the latest_store record")
             data = self._read_state(step)
-            _check_digest(manifest, len(data), hashlib.sha256(data).hexdigest())
+            verdicts.check_digest(STATE_FILE, manifest, len(data), hashlib.sha256(data).hexdigest())
         except OtherFormat as exc:
             raise CheckpointError(f"checkpoint {self._storage.url(path)} {exc}: open it with "
                                   "er.Checkpointer(url, sharded=True), or save elsewhere") from None
@@ -378,7 +380,7 @@ class Checkpointer:
                 raise Unverified(f"no {STATE_FILE}") from None
             except OSError as exc:
                 raise Unreadable(f"cannot read {STATE_FILE}: {exc}") from None
-            _check_digest(m, size, sha)
+            verdicts.check_digest(STATE_FILE, m, size, sha)
             self._verified[step] = sha
 
     def _record_of(self, step: int, manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -484,13 +486,6 @@ class Checkpointer:
         except OSError as exc:
             log.warning("could not remove checkpoint %s: %s", d, exc)
         self._verified.pop(step, None)
-
-
-def _check_digest(manifest: Mapping[str, Any], size: int, sha: str) -> None:
-    if size != manifest["bytes"]:
-        raise Unverified(f"{STATE_FILE} has {size} bytes, manifest says {manifest['bytes']}")
-    if sha != manifest["sha256"]:
-        raise Unverified(f"{STATE_FILE} sha256 {sha[:12]}... does not match the manifest")
 
 
 def _dist_rank_and_size() -> tuple[int, int | None]:

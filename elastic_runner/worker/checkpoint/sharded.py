@@ -226,7 +226,7 @@ class ShardedFormat:
         record, candidates = self._agree(self._candidates)
         for step in candidates:
             recorded = record is not None and step == record["step"]
-            manifest = self._verify(step, record["sha256"] if recorded else None)
+            manifest = self._verify(step, record if recorded else None)
             if manifest is None:
                 continue
             self._load(step, templates, weights_only)
@@ -254,24 +254,20 @@ class ShardedFormat:
         older = [s for s in steps if below is None or s < below]
         return record, ([] if below is None else [below]) + older
 
-    def _verify(self, step: int, expect_sha: str | None) -> dict[str, Any] | None:
-        """Every rank checks its share; the manifest, or None (skipped, one line)."""
+    def _verify(self, step: int, record: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """Every rank checks its share of `step` (`record`: the one etcd names); the
+        manifest, or None (skipped, one line)."""
         storage, directory = self._owner._storage, self._owner._dir(step)
         rank, world = dist.get_rank(), dist.get_world_size(self._group)
-        manifest, verdict = None, None
-        try:
-            manifest = files.read_manifest(storage, directory, step)
-            if expect_sha is not None and manifest["sha256"] != expect_sha:
-                raise files.Unverified("its manifest differs from the latest_store record")
-            for name in sorted(manifest["files"])[rank::world]:
-                files.check_file(storage, directory, name, manifest["files"][name])
-        except files.OtherFormat as exc:
-            verdict = ("format", str(exc))
-        except files.Unverified as exc:
-            verdict = ("skip", str(exc))
-        verdicts: list[Any] = [None] * world
-        dist.all_gather_object(verdicts, verdict, group=self._group)
-        problems = [v for v in verdicts if v is not None]
+        manifest, verdict = self._my_share(step, record)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, verdict, group=self._group)
+        problems = [v for v in gathered if v is not None]
+        absent = [text for kind, text in problems if kind == "absent"]
+        if absent:
+            raise verdicts.absent_recorded_step(
+                storage, directory, record, f"rank{'s' if len(absent) > 1 else ''} "
+                f"{', '.join(absent)}", exists=False)
         if any(kind == "format" for kind, _ in problems):
             reason = next(text for kind, text in problems if kind == "format")
             raise CheckpointError(f"checkpoint {reason}: open it with "
@@ -281,6 +277,25 @@ class ShardedFormat:
                 "skipping checkpoint %s: %s", storage.url(directory), problems[0][1])
             return None
         return manifest
+
+    def _my_share(self, step: int, record: Mapping[str, Any] | None
+                  ) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
+        """(manifest, None) where this rank's share checks out, else (None, verdict)."""
+        storage, directory = self._owner._storage, self._owner._dir(step)
+        rank, world = dist.get_rank(), dist.get_world_size(self._group)
+        if record is not None and not storage.fs.exists(directory):
+            return None, ("absent", str(rank))  # not rot: verdicts.absent_recorded_step
+        try:
+            manifest = files.read_manifest(storage, directory, step)
+            if record is not None and manifest["sha256"] != record["sha256"]:
+                raise files.Unverified("its manifest differs from the latest_store record")
+            for name in sorted(manifest["files"])[rank::world]:
+                files.check_file(storage, directory, name, manifest["files"][name])
+        except files.OtherFormat as exc:
+            return None, ("format", str(exc))
+        except files.Unverified as exc:
+            return None, ("skip", str(exc))
+        return manifest, None
 
     def _load(self, step: int, templates: dict[str, Any], weights_only: bool) -> None:
         storage, directory = self._owner._storage, self._owner._dir(step)

@@ -18,8 +18,9 @@ loses its files, which is the outcome it must have anyway: it can no longer publ
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable, Mapping
 
+from elastic_runner.errors import CheckpointError
 from elastic_runner.worker.checkpoint.storage import Storage
 
 log = logging.getLogger("elastic_runner.worker.checkpoint")
@@ -38,6 +39,36 @@ class Unreadable(Unverified):
 class OtherFormat(Unreadable):
     """Written with the other value of `sharded`: never loaded as this one, never deleted."""
 
+
+
+
+def check_digest(name: str, manifest: Mapping[str, Any], size: int, sha: str) -> None:
+    """Raise Unverified unless file `name` has the size and sha256 its manifest says."""
+    if size != manifest["bytes"]:
+        raise Unverified(f"{name} has {size} bytes, manifest says {manifest['bytes']}")
+    if sha != manifest["sha256"]:
+        raise Unverified(f"{name} sha256 {sha[:12]}... does not match the manifest")
+
+def absent_recorded_step(storage: Storage, directory: str, record: Mapping[str, Any],
+                         ranks: str = "this rank", exists: bool | None = None
+                         ) -> CheckpointError | None:
+    """The error for a recorded step whose directory does not exist here at all.
+
+    Why not skip it as rot (and retract the record, as for a flipped bit): a committed,
+    recorded checkpoint that is missing entirely means this rank reads another folder
+    than the writer wrote: a node-local path on a job of several nodes, or a changed
+    --checkpoint-dir. Skipping it started that node from scratch while the writer's
+    node resumed (ranks disagreeing on the step and the data position), and the
+    retraction then unnamed a good checkpoint for everyone. `exists`: already asked."""
+    if exists if exists is not None else storage.fs.exists(directory):
+        return None
+    return CheckpointError(
+        f"the checkpoint recorded for this run, step {record['step']} ({record.get('url')}), "
+        f"is not in the checkpoint folder {storage.url(storage.root)} as {ranks} sees it: "
+        "every node must read and write one folder (a network filesystem, or an object "
+        "store URL such as s3://; a node-local path works on one node only), the one the "
+        "run saved into. Nothing was retracted or deleted; if that checkpoint was removed "
+        "on purpose, start the job under a new --run-id to resume from what the folder holds")
 
 def tidy(storage: Storage, directory_of: Callable[[int], str], verify: Callable[[int], object],
          remove: Callable[[int], None], keep: int | None, saved: int) -> None:
