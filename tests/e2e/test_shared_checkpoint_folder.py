@@ -37,10 +37,11 @@ def test_a_second_job_saving_into_the_same_folder_is_refused_and_the_first_loses
     for run_id in ("first", "second"):
         (tmp_path / run_id).mkdir()
         jobs[run_id] = Job(etcd.endpoint, tmp_path / run_id, run_id=run_id, nproc=1,
-                           min_nodes=1, max_nodes=1, script=MLP, script_args=(
-                               "--checkpoint-dir", str(folder), "--every", "4",
-                               "--samples", "4096", "--global-batch", "32",
-                               "--step-time", "0.05"))
+                           min_nodes=1, max_nodes=1, script=MLP)
+        jobs[run_id].script_args = (  # 1,024 steps: both run until the test hurries them
+            "--checkpoint-dir", str(folder), "--every", "4", "--samples", "32768",
+            "--global-batch", "32", "--step-time", "0.05",
+            "--fast-file", str(jobs[run_id].fast_file))
     client = EtcdClient(EtcdConfig((etcd.endpoint,), 2.0, 5.0))
     try:
         jobs["first"].start("a", max_restarts=1)
@@ -49,7 +50,11 @@ def test_a_second_job_saving_into_the_same_folder_is_refused_and_the_first_loses
             assert time.monotonic() < deadline, jobs["first"].agent_log("a")
             time.sleep(0.1)
         jobs["second"].start("a", max_restarts=1)
-        codes = {run_id: job.wait_exit("a", timeout=180) for run_id, job in jobs.items()}
+        jobs["first"].wait_for(lambda: any(job.agents["a"].poll() is not None
+                                           for job in jobs.values()), 120, "a job to end")
+        for job in jobs.values():
+            job.hurry()
+        codes = {run_id: job.wait_exit("a", timeout=120) for run_id, job in jobs.items()}
         assert sorted(codes.values()) == [0, 6], codes
         loser = next(run_id for run_id, code in codes.items() if code == 6)
         winner = next(run_id for run_id, code in codes.items() if code == 0)
@@ -57,8 +62,8 @@ def test_a_second_job_saving_into_the_same_folder_is_refused_and_the_first_loses
         assert refused and f"this run ('{loser}')" in refused[-1], jobs[loser].agent_log("a")
         assert CLASH not in jobs[winner].agent_log("a")
         kept = record(client, winner)
-        assert kept["step"] == 128  # the winner's last step, recorded
-        manifest = json.loads((folder / "step-00000128" / "MANIFEST.json").read_text())
+        assert kept["step"] == 1024  # the winner's last step, recorded
+        manifest = json.loads((folder / "step-00001024" / "MANIFEST.json").read_text())
         assert manifest["sha256"] == kept["sha256"] and manifest["run_id"] == winner
         for step_dir in folder.glob("step-*"):  # nothing of the loser's past the other's
             owner = json.loads((step_dir / "MANIFEST.json").read_text())["run_id"]

@@ -40,7 +40,7 @@ def test_a_second_run_saving_into_the_folder_is_refused_and_writes_nothing(tmp_p
     with pytest.raises(CheckpointError) as refused:
         second.save(20, state(99))  # the step the first run recorded
     line = str(refused.value)
-    assert "holds step 20 of run 'run-a', past any step this run ('run-b') resumed from" \
+    assert "holds step 20 of run 'run-a', newer than any step this run ('run-b') loaded" \
         in line and "give each run its own checkpoint folder" in line and "\n" not in line
     assert {step: manifest(tmp_path, step) for step in (10, 20)} == before
     assert manifest(tmp_path, 20)["run_id"] == "run-a"
@@ -53,8 +53,8 @@ def test_a_run_that_resumed_is_refused_once_the_other_run_writes_past_that_step(
     second = run(tmp_path, "run-b")
     assert second.load_latest()["step"] == 10
     second.save(15, state(15))  # above what it resumed from, nobody else there: fine
-    with pytest.raises(CheckpointError, match=r"holds step 15 of run 'run-b', past any step "
-                                              r"this run \('run-a'\) resumed from"):
+    with pytest.raises(CheckpointError, match=r"holds step 15 of run 'run-b', newer than any "
+                                              r"step this run \('run-a'\) loaded"):
         first.save(20, state(20))  # the writer behind meets the other's newer step
     assert steps_on_disk(tmp_path) == [10, 15]
     second.save(25, state(25))  # the one ahead goes on
@@ -105,3 +105,19 @@ def test_a_step_cut_short_is_no_evidence_of_another_writer(tmp_path):
     (tmp_path / "step-00000090" / "MANIFEST.json.tmp-x").write_text("{")
     run(tmp_path, "run-b").save(10, state(10))
     assert manifest(tmp_path, 10)["run_id"] == "run-b"
+
+
+def test_a_corrupt_step_the_load_skipped_is_adopted_too(tmp_path):
+    """A new run resuming after the newest checkpoint rotted: its load skipped that step
+    and loaded an older one; saving over the rotten step must not look like a clash."""
+    ended = run(tmp_path, "run-a")
+    for step in (10, 20, 30):
+        ended.save(step, state(step))
+    rotten = tmp_path / "step-00000030" / "state.pt"
+    raw = bytearray(rotten.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    rotten.write_bytes(bytes(raw))
+    new = run(tmp_path, "run-b")
+    assert new.load_latest()["step"] == 20
+    new.save(30, state(30))
+    assert manifest(tmp_path, 30)["run_id"] == "run-b"

@@ -263,6 +263,7 @@ class Checkpointer:
         if self._writer is not None:  # our own save; its error stays for wait()
             self._writer.settle()
         self.loaded_step, self._loaded_record = None, None
+        self._claim.loading()
         record = self._latest.read() if self._latest is not None else None
         if record is not None and names_no_checkpoint(record):
             return None  # retracted, and nothing older verified: start afresh
@@ -313,6 +314,7 @@ class Checkpointer:
 
     def _try_load(self, step: int, expect_sha: str | None = None) -> Any:
         path = self._dir(step)
+        self._claim.examined(step)
         try:
             manifest = self._manifest(step)
             if expect_sha is not None and manifest["sha256"] != expect_sha:
@@ -403,7 +405,7 @@ class Checkpointer:
         data = buf.getvalue()
         sha = hashlib.sha256(data).hexdigest()
         self._check_fence(step, sha)
-        self._claim.check_before_writing(step, self.loaded_step)
+        self._claim.check_before_writing(step)
         record = self._record_of(step, self._commit(step, data, sha))
         if self._publish(record):
             self._saved(step, record["url"], round(time.monotonic() - started, 3))
@@ -471,8 +473,8 @@ class Checkpointer:
 
     # ---- tidying (after a published save) ---------------------------------------------
     def _tidy(self, saved: int) -> None:
-        verdicts.tidy(self._storage, self._dir, self._claim.protecting(
-            self._verify, self.loaded_step), self._remove, self.config.keep, saved)
+        verdicts.tidy(self._storage, self._dir, self._claim.protecting(self._verify),
+                      self._remove, self.config.keep, saved)
 
     def _remove(self, step: int) -> None:
         d = self._dir(step)

@@ -8,9 +8,10 @@ tidying would delete the other's checkpoints as if they were its own old ones.
 
 The rule, per step directory, from the run id its manifest names (manifests written
 outside elastic-run, or before this rule, name none and belong to nobody):
-- a run *adopts* another run's steps up to the one it resumed from (loaded_step):
-  resuming from a finished or failed run's checkpoints under a new run id is how a job
-  is continued, and its tidying then cleans them up as its own;
+- a run *adopts* the steps its load examined, up to the newest (the one it resumed
+  from, or a newer one it skipped as corrupt): resuming from a finished or failed run's
+  checkpoints under a new run id is how a job is continued, and its tidying then
+  cleans them up as its own;
 - another run's step above that is evidence of a second writer here now: the save is
   refused with one line, before anything is written, and tidying never deletes it.
 """
@@ -28,7 +29,7 @@ MANIFEST_RUN = "run_id"
 
 
 class AnotherRuns(Unreadable):
-    """A step another run wrote after the one this run resumed from: never deleted."""
+    """A step of another run, newer than what this run's load examined: never deleted."""
 
 
 class FolderClaim:
@@ -37,15 +38,23 @@ class FolderClaim:
     def __init__(self, storage: Storage, run_id: str | None,
                  directory_of: Callable[[int], str]) -> None:
         self._storage, self.run_id, self._directory_of = storage, run_id, directory_of
+        self.adopted: int | None = None  # the newest step the last load examined
 
-    def check_before_writing(self, step: int, adopted: int | None) -> None:
-        """Raise CheckpointError if another run wrote here past what this one resumed from.
+    def loading(self) -> None:
+        self.adopted = None
+
+    def examined(self, step: int) -> None:
+        self.adopted = step if self.adopted is None else max(self.adopted, step)
+
+    def check_before_writing(self, step: int) -> None:
+        """Raise CheckpointError if another run wrote here past what this one's load saw.
 
         Newest first, up to this run's own newest step: a second writer whose steps lie
         below it is behind, and is the one refused (it meets ours), so a save reads one
         manifest or two, not the folder."""
         if self.run_id is None:
             return
+        adopted = self.adopted
         for other in self._storage.steps():
             if adopted is not None and other <= adopted:
                 return  # the history this run resumed from
@@ -53,21 +62,21 @@ class FolderClaim:
             if owner == self.run_id:
                 return
             if owner is not None:
-                resumed = f"step {adopted}" if adopted is not None else "any step"
+                seen = (f"step {adopted}, the newest this run ({self.run_id!r}) examined when "
+                        "it loaded" if adopted is not None else
+                        f"any step this run ({self.run_id!r}) loaded")
                 raise CheckpointError(
                     f"checkpoint folder {self._storage.url(self._storage.root)} holds step "
-                    f"{other} of run {owner!r}, past {resumed} this run ({self.run_id!r}) "
-                    f"resumed from. Two runs saving into one folder overwrite and delete each "
+                    f"{other} of run {owner!r}, newer than {seen}. Two runs saving into one folder overwrite and delete each "
                     f"other's checkpoints, so step {step} is not written: give each run its "
                     "own checkpoint folder (to continue an ended run, start the new one by "
                     "loading its checkpoints)")
 
-    def protecting(self, verify: Callable[[int], object],
-                   adopted: int | None) -> Callable[[int], object]:
+    def protecting(self, verify: Callable[[int], object]) -> Callable[[int], object]:
         """`verify` for tidying, raising AnotherRuns for a step it must keep."""
         def checked(step: int) -> object:
             result = verify(step)
-            if self.run_id is not None and (adopted is None or step > adopted):
+            if self.run_id is not None and (self.adopted is None or step > self.adopted):
                 owner = self._owner(step)
                 if owner is not None and owner != self.run_id:
                     raise AnotherRuns(f"step {step} is run {owner!r}'s")

@@ -142,7 +142,7 @@ class ShardedFormat:
         record = owner._latest.read() if owner._latest is not None else None
         if record is not None and not names_no_checkpoint(record) and record["step"] >= step:
             raise owner._stale(step)
-        owner._claim.check_before_writing(step, owner.loaded_step)
+        owner._claim.check_before_writing(step)
         directory = owner._dir(step)
         if owner._storage.fs.exists(directory):
             try:
@@ -218,6 +218,7 @@ class ShardedFormat:
         """Every rank: load the newest verified checkpoint into `objects`, resharded."""
         owner = self._owner
         owner.loaded_step, owner._loaded_record = None, None
+        owner._claim.loading()
         if self._group is None:
             log.info("standby: no sharded restore before this worker has a place; it "
                      "receives the state when the job forms")
@@ -226,6 +227,7 @@ class ShardedFormat:
         record, candidates = self._agree(self._candidates)
         for step in candidates:
             recorded = record is not None and step == record["step"]
+            owner._claim.examined(step)
             manifest = self._verify(step, record if recorded else None)
             if manifest is None:
                 continue
@@ -342,5 +344,5 @@ class ShardedFormat:
         def verify(step: int) -> None:
             directory = owner._dir(step)
             files.check_sizes(storage, directory, files.read_manifest(storage, directory, step))
-        verdicts.tidy(storage, owner._dir, owner._claim.protecting(verify, owner.loaded_step),
-                      owner._remove, owner.config.keep, saved)
+        verdicts.tidy(storage, owner._dir, owner._claim.protecting(verify), owner._remove,
+                      owner.config.keep, saved)
