@@ -285,3 +285,31 @@ def test_a_recorded_step_missing_from_this_folder_is_an_error_not_rot(tmp_path, 
         in line and "\n" not in line
     assert store.read() == record  # nothing retracted
     assert step_dirs(tmp_path / "node-b") == [5] and step_dirs(tmp_path / "node-a") == [10, 20]
+
+
+def test_a_recorded_step_storage_cannot_read_now_fails_the_load_and_retracts_nothing(
+        tmp_path, monkeypatch):
+    """A passing storage error (EIO from a network filesystem) on the recorded step used
+    to be skipped as rot: rank 0 retracted a good record and resumed from an older step,
+    while ranks that read it fine resumed from the newer one."""
+    store = MemoryLatestStore()
+    writer = Checkpointer(tmp_path, keep=None, latest_store=store)
+    writer.save(10, payload(10))
+    writer.save(20, payload(20))
+    record = store.read()
+    reader = Checkpointer(tmp_path, latest_store=store)
+    fs, original = reader._storage.fs, reader._storage.fs.cat_file
+
+    def flaky(path, *args, **kwargs):
+        if "step-00000020/state.pt" in path:
+            raise OSError(errno.EIO, "Input/output error")
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_file", flaky)
+    with pytest.raises(CheckpointError, match=r"cannot read the checkpoint recorded for this "
+                                              r"run, step 20 .*Input/output error.*Nothing "
+                                              r"was retracted"):
+        reader.load_latest()
+    assert store.read() == record
+    monkeypatch.undo()
+    assert reader.load_latest()["step"] == 20  # the restart reads it

@@ -280,6 +280,30 @@ def test_a_recorded_step_missing_from_a_ranks_folder_is_an_error_not_rot(group, 
     assert store.read() == record
 
 
+def test_a_recorded_step_storage_cannot_read_now_fails_the_restore(group, tmp_path,
+                                                                   monkeypatch):
+    """verdicts.unreadable_recorded_step: every rank raises, nothing is retracted."""
+    store, objs = MemoryLatestStore(), objects()
+    ckpt = Checkpointer(tmp_path, sharded=True, keep=None, latest_store=store)
+    ckpt.save(10, objs)
+    ckpt.save(20, objs)
+    record = store.read()
+    original = sharded_files.check_file
+
+    def flaky(storage, directory, name, entry):
+        if directory.endswith("step-00000020"):
+            raise sharded_files.Unreadable(f"cannot read {name}: [Errno 5] Input/output error")
+        return original(storage, directory, name, entry)
+
+    monkeypatch.setattr(sharded_files, "check_file", flaky)
+    with pytest.raises(CheckpointError, match="cannot read the checkpoint recorded for this "
+                                              "run, step 20 .*Input/output error"):
+        Checkpointer(tmp_path, sharded=True, latest_store=store).restore(objects(seed=3))
+    assert store.read() == record
+    monkeypatch.undo()
+    assert Checkpointer(tmp_path, sharded=True, latest_store=store).restore(objects(3)) == 20
+
+
 def test_a_stale_writer_is_refused_before_it_writes_anything(group, tmp_path):
     store = MemoryLatestStore({"url": "x", "step": 50, "sha256": "ab", "world_size": 4})
     ckpt = Checkpointer(tmp_path, sharded=True, latest_store=store)

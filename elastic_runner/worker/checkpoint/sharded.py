@@ -270,6 +270,10 @@ class ShardedFormat:
             raise verdicts.absent_recorded_step(
                 storage, directory, record, f"rank{'s' if len(absent) > 1 else ''} "
                 f"{', '.join(absent)}", exists=False)
+        unreadable = [text for kind, text in problems if kind == "unreadable"]
+        if unreadable:
+            raise verdicts.unreadable_recorded_step(storage.url(directory), step,
+                                                    OSError(unreadable[0]))
         if any(kind == "format" for kind, _ in problems):
             reason = next(text for kind, text in problems if kind == "format")
             raise CheckpointError(f"checkpoint {reason}: open it with "
@@ -295,6 +299,8 @@ class ShardedFormat:
                 files.check_file(storage, directory, name, manifest["files"][name])
         except files.OtherFormat as exc:
             return None, ("format", str(exc))
+        except files.Unreadable as exc:  # a recorded step: verdicts.unreadable_recorded_step
+            return None, ("unreadable" if record is not None else "skip", str(exc))
         except files.Unverified as exc:
             return None, ("skip", str(exc))
         return manifest, None

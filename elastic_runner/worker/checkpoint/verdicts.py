@@ -70,6 +70,16 @@ def absent_recorded_step(storage: Storage, directory: str, record: Mapping[str, 
         "run saved into. Nothing was retracted or deleted; if that checkpoint was removed "
         "on purpose, start the job under a new --run-id to resume from what the folder holds")
 
+
+def unreadable_recorded_step(url: str, step: int, why: Exception) -> CheckpointError:
+    """Why a recorded step storage did not answer for is not skipped: a passing error
+    (a network filesystem's hiccup) must not retract a good record, nor let this rank
+    resume from an older step than ranks that read it fine. The worker fails instead,
+    and the restart reads again."""
+    return CheckpointError(
+        f"cannot read the checkpoint recorded for this run, step {step} ({url}): {why}. "
+        "Nothing was retracted; if the storage error passes, the restart loads it")
+
 def tidy(storage: Storage, directory_of: Callable[[int], str], verify: Callable[[int], object],
          remove: Callable[[int], None], keep: int | None, saved: int) -> None:
     """Delete what the save of `saved` made obsolete (the rules above). `verify(step)`
