@@ -85,8 +85,30 @@ def test_tidying_never_deletes_another_runs_step_above_the_adopted_one(tmp_path)
     assert mine.load_latest()["step"] == 20
     mine.save(40, state(40))
     shutil.copytree(elsewhere / "step-00000030", root / "step-00000030")  # a writer's late step
+    (root / "step-00000030" / "state.pt").write_bytes(b"being rewritten")  # not even verified
     mine.save(50, state(50))
     assert steps_on_disk(root) == [30, 50]
+
+
+def test_another_runs_step_is_never_overwritten_even_below_this_runs_newest(tmp_path):
+    """The scan stops at this run's own newest step, but the step to be written is
+    asked first: a restart that redoes steps below its own unpublished leftover (step
+    50 here) must not clobber another run's checkpoint there."""
+    elsewhere = tmp_path / "elsewhere"
+    run(elsewhere / "a", "run-a", keep=None).save(40, state(40))
+    run(elsewhere / "b", "run-b", keep=None).save(50, state(50))
+    root = tmp_path / "ckpt"
+    run(root, "run-a").save(20, state(20))
+    mine = run(root, "run-b", keep=None)
+    assert mine.load_latest()["step"] == 20
+    mine.save(30, state(30))
+    for step, source in ((50, "b"), (40, "a")):
+        shutil.copytree(elsewhere / source / f"step-{step:08d}", root / f"step-{step:08d}")
+    before = manifest(root, 40)
+    with pytest.raises(CheckpointError, match="holds step 40 of run 'run-a'.*step 40 is not "
+                                              "written"):
+        mine.save(40, state(40))
+    assert manifest(root, 40) == before
 
 
 def test_folders_of_plain_scripts_and_older_manifests_name_no_run(tmp_path):

@@ -326,7 +326,8 @@ class Checkpointer:
                                   "er.Checkpointer(url, sharded=True), or save elsewhere") from None
         except Unverified as exc:
             if isinstance(exc, Unreadable) and expect_sha is not None:  # the recorded step
-                raise verdicts.unreadable_recorded_step(self._storage.url(path), step, exc) from None
+                raise verdicts.unreadable_recorded_step(self._storage.url(path), step,
+                                                        exc) from None
             log.warning("skipping checkpoint %s: %s", self._storage.url(path), exc)
             return _SKIPPED
         self._verified[step] = manifest["sha256"]

@@ -49,38 +49,43 @@ class FolderClaim:
     def check_before_writing(self, step: int) -> None:
         """Raise CheckpointError if another run wrote here past what this one's load saw.
 
-        Newest first, up to this run's own newest step: a second writer whose steps lie
-        below it is behind, and is the one refused (it meets ours), so a save reads one
-        manifest or two, not the folder."""
+        The step to write first (never overwrite another run's), then newest first up
+        to this run's own newest step: a second writer whose steps lie below it is
+        behind, and is the one refused (it meets ours), so a save reads a manifest or
+        three, not the folder."""
         if self.run_id is None:
             return
-        adopted = self.adopted
-        for other in self._storage.steps():
-            if adopted is not None and other <= adopted:
-                return  # the history this run resumed from
+        for other in [step, *self._storage.steps()]:
+            if self.adopted is not None and other <= self.adopted:
+                if other != step:
+                    return  # the history this run resumed from
+                continue
             owner = self._owner(other)
-            if owner == self.run_id:
+            if owner == self.run_id and other != step:
                 return
-            if owner is not None:
-                seen = (f"step {adopted}, the newest this run ({self.run_id!r}) examined when "
-                        "it loaded" if adopted is not None else
-                        f"any step this run ({self.run_id!r}) loaded")
-                raise CheckpointError(
-                    f"checkpoint folder {self._storage.url(self._storage.root)} holds step "
-                    f"{other} of run {owner!r}, newer than {seen}. Two runs saving into one folder overwrite and delete each "
-                    f"other's checkpoints, so step {step} is not written: give each run its "
-                    "own checkpoint folder (to continue an ended run, start the new one by "
-                    "loading its checkpoints)")
+            if owner is not None and owner != self.run_id:
+                raise self._clash(other, owner, step)
+
+    def _clash(self, other: int, owner: str, step: int) -> CheckpointError:
+        seen = (f"step {self.adopted}, the newest this run ({self.run_id!r}) examined when it "
+                "loaded" if self.adopted is not None else
+                f"any step this run ({self.run_id!r}) loaded")
+        return CheckpointError(
+            f"checkpoint folder {self._storage.url(self._storage.root)} holds step {other} of "
+            f"run {owner!r}, newer than {seen}. Two runs saving into one folder overwrite and "
+            f"delete each other's checkpoints, so step {step} is not written: give each run "
+            "its own checkpoint folder (to continue an ended run, start the new one by "
+            "loading its checkpoints)")
 
     def protecting(self, verify: Callable[[int], object]) -> Callable[[int], object]:
-        """`verify` for tidying, raising AnotherRuns for a step it must keep."""
+        """`verify` for tidying, raising AnotherRuns for a step it must keep (asked
+        first: another run's step that does not verify now may be one it is rewriting)."""
         def checked(step: int) -> object:
-            result = verify(step)
             if self.run_id is not None and (self.adopted is None or step > self.adopted):
                 owner = self._owner(step)
                 if owner is not None and owner != self.run_id:
                     raise AnotherRuns(f"step {step} is run {owner!r}'s")
-            return result
+            return verify(step)
         return checked
 
     def _owner(self, step: int) -> str | None:
