@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from elastic_runner.contract import CHECKPOINT_RECORD
-from elastic_runner.errors import StaleWriterError
+from elastic_runner.errors import CheckpointError, StaleWriterError
 from elastic_runner.files import write_atomic
 from elastic_runner.reform import STANDBY_ROUND
 from elastic_runner.worker.checkpoint import checkpointer as _checkpoint
@@ -25,6 +25,7 @@ from elastic_runner.worker.checkpoint.background import BackgroundWriter
 from elastic_runner.worker.checkpoint.etcd_store import EtcdLatestStore, RelayedLatestStore
 from elastic_runner.worker.checkpoint.objects import holds_objects, state_of
 from elastic_runner.worker.checkpoint.pending_record import PendingRecord
+from elastic_runner.worker.checkpoint.storage import Storage
 from elastic_runner.worker.quick_exit import exit_for_resize
 from elastic_runner.worker.runtime import Context, current, finish
 
@@ -62,6 +63,7 @@ class Checkpointer(_checkpoint.Checkpointer):
         self._own_store = latest_store is None and context is not None and bool(
             context.etcd_endpoints)
         if self._own_store:
+            _one_recorded_folder(context, url_or_path, kwargs.get("storage_options"))
             writer = (context.rank if rank is None else rank) == 0
             latest_store = _etcd_store(context, writer)
         if context is not None:  # its manifests name the run: folder_claim.py
@@ -238,6 +240,29 @@ def _etcd_store(context: Context, writer: bool) -> EtcdLatestStore | RelayedLate
     if context.record_socket and not writer:
         return RelayedLatestStore(context.record_socket, own_client)
     return own_client()
+
+
+def _one_recorded_folder(context: Context, url_or_path: Any,
+                         storage_options: Mapping[str, Any] | None) -> None:
+    """Why one folder per job records in etcd: etcd holds one record of the run's
+    newest checkpoint. A second er.Checkpointer on another folder published into it
+    too: a save of a step the other had recorded was refused as a "stale writer", and
+    each loaded the other's newest step, which its own folder lacks."""
+    recording = [c for c in context.checkpointers if c._own_store and not c._closed]
+    if not recording:
+        return
+    storage = Storage(os.fspath(url_or_path), storage_options or {})
+    mine = storage.url(storage.root)
+    for other in recording:
+        theirs = other._storage.url(other._storage.root)
+        if theirs != mine:
+            raise CheckpointError(
+                f"this job already records its checkpoints in etcd from {theirs}, and etcd "
+                f"keeps one record of a run's newest checkpoint, so a second er.Checkpointer "
+                f"on {mine} cannot have one too: save every object through one Checkpointer "
+                "(save(step, {'model': ..., 'ema': ...})), or give this one a record of its "
+                f"own: er.Checkpointer({os.fspath(url_or_path)!r}, "
+                "latest_store=er.MemoryLatestStore())")
 
 
 def _event_log(context: Context | None):

@@ -14,7 +14,7 @@ import torch
 from elastic_runner.worker import job_checkpointer, runtime
 from elastic_runner.worker.checkpoint import storage as checkpoint_storage
 from elastic_runner.worker.checkpoint.checkpointer import MemoryLatestStore
-from elastic_runner.errors import CheckpointWriteError, StaleWriterError
+from elastic_runner.errors import CheckpointError, CheckpointWriteError, StaleWriterError
 from elastic_runner.events import read_jsonl
 from tests.helpers.gates import gate_storage_writes
 
@@ -179,3 +179,28 @@ def test_finish_closes_the_record_store_the_checkpointer_opened_after_its_last_s
     assert given._latest.closed == 0  # a store the script passed in is the script's
     ckpt.close()
     assert store.closed == 1
+
+
+def test_a_second_folder_recording_in_etcd_is_refused_at_construction(tmp_path, monkeypatch):
+    """etcd keeps one record of a run's newest checkpoint: two er.Checkpointers on two
+    folders (model and EMA, say) published into it, a save of a step the other had
+    recorded was refused as a 'stale writer', and each loaded the other's steps."""
+    ctx = runtime.context_from_env({"ELASTIC_RUN_ROUND": "3",
+                                    "ELASTIC_RUN_ETCD_ENDPOINTS": "http://127.0.0.1:1"},
+                                   "gloo", "cpu")
+    monkeypatch.setattr(runtime, "_active", [ctx])
+    monkeypatch.setattr(job_checkpointer, "_etcd_store", lambda context, writer: ClosingStore())
+    model = job_checkpointer.Checkpointer(tmp_path / "model", rank=0)
+    with pytest.raises(CheckpointError, match=r"already records its checkpoints in etcd from "
+                                              r"file://.*/model.* second er.Checkpointer on "
+                                              r"file://.*/ema cannot have one too"):
+        job_checkpointer.Checkpointer(tmp_path / "ema", rank=0)
+    assert not (tmp_path / "ema").exists()  # refused before it probed the folder
+    again = job_checkpointer.Checkpointer(str(tmp_path / "model") + "/", rank=0)  # same folder
+    aside = job_checkpointer.Checkpointer(tmp_path / "ema", rank=0,
+                                          latest_store=MemoryLatestStore())
+    aside.save(5, {"w": torch.ones(2)})
+    model.close()
+    again.close()
+    job_checkpointer.Checkpointer(tmp_path / "other", rank=0).close()  # the others are closed
+    runtime.finish()
