@@ -239,17 +239,22 @@ def test_the_saved_step_is_kept_whatever_it_holds(tmp_path):
         "MANIFEST.json", "state.pt"]
 
 
-def test_a_step_that_cannot_be_read_now_is_not_deleted(tmp_path, monkeypatch):
-    ckpt = Checkpointer(tmp_path, keep=1)
-    ckpt.save(1, payload(1))
+def eio_on_reads_of(monkeypatch, ckpt: Checkpointer, fragment: str) -> None:
+    """Storage answers EIO for paths holding `fragment`, as a network filesystem may."""
     fs, original = ckpt._storage.fs, ckpt._storage.fs.cat_file
 
     def flaky(path, *args, **kwargs):
-        if "step-00000001" in path:
+        if fragment in path:
             raise OSError(errno.EIO, "Input/output error")
         return original(path, *args, **kwargs)
 
     monkeypatch.setattr(fs, "cat_file", flaky)
+
+
+def test_a_step_that_cannot_be_read_now_is_not_deleted(tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(1, payload(1))
+    eio_on_reads_of(monkeypatch, ckpt, "step-00000001")
     ckpt.save(2, payload(2))
     assert step_dirs(tmp_path) == [1, 2]  # maybe transient: left for the next save
 
@@ -298,14 +303,7 @@ def test_a_recorded_step_storage_cannot_read_now_fails_the_load_and_retracts_not
     writer.save(20, payload(20))
     record = store.read()
     reader = Checkpointer(tmp_path, latest_store=store)
-    fs, original = reader._storage.fs, reader._storage.fs.cat_file
-
-    def flaky(path, *args, **kwargs):
-        if "step-00000020/state.pt" in path:
-            raise OSError(errno.EIO, "Input/output error")
-        return original(path, *args, **kwargs)
-
-    monkeypatch.setattr(fs, "cat_file", flaky)
+    eio_on_reads_of(monkeypatch, reader, "step-00000020/state.pt")
     with pytest.raises(CheckpointError, match=r"cannot read the checkpoint recorded for this "
                                               r"run, step 20 .*Input/output error.*Nothing "
                                               r"was retracted"):
