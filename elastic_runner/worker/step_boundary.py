@@ -31,6 +31,7 @@ the sampler calls `reached()` after each step's body, and the runtime acts there
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 from dataclasses import dataclass
@@ -181,8 +182,9 @@ class StepBoundary:
     def close(self) -> None:
         """Finish the collective in flight before the process group goes away."""
         if self._pending is not None:
-            work, _, _ = self._pending
+            work, flag, _ = self._pending
             self._pending = None
+            outlive_the_interpreter(flag)
             try:
                 work.wait()
             except Exception as error:  # noqa: BLE001 - a dead peer must not block leaving
@@ -193,8 +195,26 @@ class StepBoundary:
         agreement in flight unread, and the group with it. Waiting here could block
         on a frozen peer; destroy_process_group still waits for it, but no longer
         than the job's collective timeout (default_group_timeout)."""
+        if self._pending is not None:
+            outlive_the_interpreter(self._pending[1])
         self._pending = None
         self._group = None
+
+
+def outlive_the_interpreter(tensor: Any) -> None:
+    """Keep one reference to a tensor of a collective this process may exit right after.
+
+    Why: work.wait() returns before gloo's worker thread lets go of the work, and with
+    it the tensor. If that comes after the interpreter began finalizing, the thread
+    drops the last reference to a tensor that has a Python object, must take the GIL
+    for it, and is ended by std::terminate instead: "terminate called without an
+    active exception", SIGABRT after a clean last step, which the agent counts as a
+    failure. A core dump here showed ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork
+    -> TensorImpl::decref_pyobject -> take_gil -> pthread_exit while Py_FinalizeEx ran
+    its collection (torch 2.13; pytorch/pytorch#179291 describes the same). With a
+    reference never released, the thread's release is never the last. One 8-byte
+    tensor per process, at its end or after an abandoned round."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(tensor))
 
 
 def default_group_timeout() -> datetime.timedelta | None:
