@@ -9,6 +9,7 @@ fixed sleeps.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import signal
@@ -195,6 +196,21 @@ class Job:
         finally:
             client.close()
         return kv.value if kv else None
+
+    def checkpoint_record(self) -> dict | None:
+        """The run's record of its newest checkpoint in etcd (worker/checkpoint/etcd_store.py)."""
+        from elastic_runner.rendezvous.protocol import checkpoint_key, run_prefix
+
+        client = self._client()
+        try:
+            kv = client.get(checkpoint_key(run_prefix(self.run_id)))
+        finally:
+            client.close()
+        return None if kv is None else json.loads(kv.value)
+
+    def recorded_step(self) -> int:
+        """The step of that record; -1 before the first."""
+        return (self.checkpoint_record() or {}).get("step", -1)
 
     def stop_all(self) -> None:
         for process in self.agents.values():

@@ -14,7 +14,6 @@ its checkpoints are written but not recorded, and the first save after the fix i
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from pathlib import Path
@@ -25,7 +24,6 @@ from elastic_runner.config import EtcdConfig
 from elastic_runner.errors import EtcdFull
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.etcd.server import EmbeddedEtcd
-from elastic_runner.rendezvous.protocol import checkpoint_key, run_prefix
 from tests.conftest import available_etcd_binaries
 from tests.e2e.harness import MLP, Job, read_jsonl
 
@@ -103,11 +101,6 @@ def test_a_full_etcd_is_waited_out_and_the_job_re_forms_once_space_is_freed(smal
         job.stop_all()
 
 
-def recorded_step(client: EtcdClient, run_id: str) -> int | None:
-    record = client.get(checkpoint_key(run_prefix(run_id)))
-    return None if record is None else json.loads(record.value)["step"]
-
-
 def test_a_full_etcd_does_not_stop_training_and_the_first_save_after_the_fix_is_recorded(
         small_etcd, tmp_path):
     ckpt_dir, trace = tmp_path / "ckpt", tmp_path / "trace.jsonl"
@@ -118,25 +111,25 @@ def test_a_full_etcd_does_not_stop_training_and_the_first_save_after_the_fix_is_
     client = EtcdClient(EtcdConfig((small_etcd.endpoint,), 2.0, 5.0))
     try:
         job.start("a")
-        job.wait_for(lambda: recorded_step(client, job.run_id), 90, "a first checkpoint record")
+        job.wait_for(lambda: job.recorded_step() > 0, 90, "a first checkpoint record")
         assert fill(client) > 0
-        before = recorded_step(client, job.run_id)
+        before = job.recorded_step()
         job.wait_for(lambda: trace.exists() and read_jsonl(trace)[-1]["step"] >= before + 20,
                      60, "training 20 steps past the recorded checkpoint")
         log = job.agent_log("a")
         assert "is written and verified" in log and "is full and refused" in log, log
-        assert recorded_step(client, job.run_id) == before
+        assert job.recorded_step() == before
         on_disk = sorted(int(d.name[5:]) for d in ckpt_dir.iterdir() if d.name.startswith("step-"))
         assert before in on_disk and max(on_disk) >= before + 15, on_disk  # keep=3 held back
         assert "waiting up to" not in log and job.agents["a"].poll() is None
         free_space(small_etcd.endpoint)
-        job.wait_for(lambda: recorded_step(client, job.run_id) > before, 60,
+        job.wait_for(lambda: job.recorded_step() > before, 60,
                      "a checkpoint recorded after the fix")
         job.hurry()
         assert job.wait_exit("a", timeout=120) == 0, job.agent_log("a")
         rows = read_jsonl(trace)
         assert {row["round"] for row in rows} == {rows[0]["round"]}  # one worker, never restarted
-        assert recorded_step(client, job.run_id) == rows[-1]["step"] == 256  # the last save
+        assert job.recorded_step() == rows[-1]["step"] == 256  # the last save
         assert "takes writes again" in job.agent_log("a")
     finally:
         client.close()

@@ -11,23 +11,14 @@ matched its checkpoint and a restart of that job fell back, silently losing work
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
-from elastic_runner.config import EtcdConfig
-from elastic_runner.etcd.client import EtcdClient
-from elastic_runner.rendezvous.protocol import checkpoint_key, run_prefix
 from tests.e2e.harness import MLP, Job
 
 pytestmark = pytest.mark.e2e
 
 CLASH = "Two runs saving into one folder overwrite and delete each other's checkpoints"
-
-
-def record(client: EtcdClient, run_id: str) -> dict | None:
-    found = client.get(checkpoint_key(run_prefix(run_id)))
-    return None if found is None else json.loads(found.value)
 
 
 def test_a_second_job_saving_into_the_same_folder_is_refused_and_the_first_loses_nothing(
@@ -42,13 +33,10 @@ def test_a_second_job_saving_into_the_same_folder_is_refused_and_the_first_loses
             "--checkpoint-dir", str(folder), "--every", "4", "--samples", "32768",
             "--global-batch", "32", "--step-time", "0.05",
             "--fast-file", str(jobs[run_id].fast_file))
-    client = EtcdClient(EtcdConfig((etcd.endpoint,), 2.0, 5.0))
     try:
         jobs["first"].start("a", max_restarts=1)
-        deadline = time.monotonic() + 90
-        while (record(client, "first") or {}).get("step", 0) < 10:
-            assert time.monotonic() < deadline, jobs["first"].agent_log("a")
-            time.sleep(0.1)
+        jobs["first"].wait_for(lambda: jobs["first"].recorded_step() >= 10, 90,
+                               "the first job's checkpoint of step 10")
         jobs["second"].start("a", max_restarts=1)
         jobs["first"].wait_for(lambda: any(job.agents["a"].poll() is not None
                                            for job in jobs.values()), 120, "a job to end")
@@ -61,7 +49,7 @@ def test_a_second_job_saving_into_the_same_folder_is_refused_and_the_first_loses
         refused = [line for line in jobs[loser].agent_log("a").splitlines() if CLASH in line]
         assert refused and f"this run ('{loser}')" in refused[-1], jobs[loser].agent_log("a")
         assert CLASH not in jobs[winner].agent_log("a")
-        kept = record(client, winner)
+        kept = jobs[winner].checkpoint_record()
         assert kept["step"] == 1024  # the winner's last step, recorded
         manifest = json.loads((folder / "step-00001024" / "MANIFEST.json").read_text())
         assert manifest["sha256"] == kept["sha256"] and manifest["run_id"] == winner
@@ -69,7 +57,6 @@ def test_a_second_job_saving_into_the_same_folder_is_refused_and_the_first_loses
             owner = json.loads((step_dir / "MANIFEST.json").read_text())["run_id"]
             assert owner == winner or int(step_dir.name[5:]) < kept["step"]
     finally:
-        client.close()
         for job in jobs.values():
             job.stop_all()
 
@@ -86,19 +73,15 @@ def test_a_node_local_checkpoint_folder_is_one_clear_error_at_the_first_resize(e
               wrap={node: ["env", "-C", str(home)] for node, home in homes.items()},
               script_args=("--checkpoint-dir", "ckpt", "--every", "5", "--samples", "4096",
                            "--global-batch", "32", "--step-time", "0.05"))
-    client = EtcdClient(EtcdConfig((etcd.endpoint,), 2.0, 5.0))
     try:
         job.start("a")
         job.wait_for(lambda: "world size 1" in job.agent_log("a"), 60, "a training alone")
         job.start("b", max_restarts=1)
         job.wait_for(lambda: "world size 2" in job.agent_log("b"), 60, "a and b together")
-        deadline = time.monotonic() + 90
-        while (record(client, job.run_id) or {}).get("step", 0) < 10:
-            assert time.monotonic() < deadline, job.agent_log("a")
-            time.sleep(0.1)
+        job.wait_for(lambda: job.recorded_step() >= 10, 90, "a checkpoint of step 10")
         job.terminate("a")
         assert job.wait_exit("a", timeout=60) == 0, job.agent_log("a")
-        recorded = record(client, job.run_id)
+        recorded = job.checkpoint_record()
         assert recorded["url"].startswith((homes["a"] / "ckpt").as_uri())
         assert job.wait_exit("b", timeout=120) == 6, job.agent_log("b")
         error = [line for line in job.agent_log("b").splitlines()
@@ -107,8 +90,7 @@ def test_a_node_local_checkpoint_folder_is_one_clear_error_at_the_first_resize(e
         assert (f"step {recorded['step']} ({recorded['url']}), is not in the checkpoint folder "
                 f"{(homes['b'] / 'ckpt').as_uri()}") in job.agent_log("b")
         assert "a node-local path works on one node only" in job.agent_log("b")
-        assert record(client, job.run_id) == recorded  # not retracted
+        assert job.checkpoint_record() == recorded  # not retracted
         assert not list((homes["b"] / "ckpt").glob("step-*"))  # b never trained from scratch
     finally:
-        client.close()
         job.stop_all()

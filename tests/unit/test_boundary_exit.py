@@ -15,7 +15,6 @@ import sys
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from elastic_runner.worker.step_boundary import StepBoundary, outlive_the_interpreter
 
@@ -49,11 +48,3 @@ def test_close_and_abandon_keep_the_agreement_tensor_they_let_go_of(tmp_path):
         leave(boundary)
         gc.collect()
         assert boundary._pending is None and flag() is not None, leave.__name__
-
-
-def test_a_boundary_with_nothing_in_flight_keeps_nothing(tmp_path):
-    assert not dist.is_initialized()
-    boundary = StepBoundary(0, 2, str(tmp_path / "notice"), "")
-    boundary.close()
-    boundary.abandon()
-    assert boundary._pending is None

@@ -270,8 +270,8 @@ class Checkpointer:
         below = None
         if record is not None:
             below = int(record["step"])
-            if absent := verdicts.absent_recorded_step(self._storage, self._dir(below), record):
-                raise absent
+            if not self._storage.fs.exists(self._dir(below)):
+                raise verdicts.absent_recorded_step(self._storage, record)
             state = self._try_load(below, expect_sha=record.get("sha256"))
             if state is not _SKIPPED:
                 return state

@@ -268,8 +268,7 @@ class ShardedFormat:
         absent = [text for kind, text in problems if kind == "absent"]
         if absent:
             raise verdicts.absent_recorded_step(
-                storage, directory, record, f"rank{'s' if len(absent) > 1 else ''} "
-                f"{', '.join(absent)}", exists=False)
+                storage, record, f"rank{'s' if len(absent) > 1 else ''} {', '.join(absent)}")
         unreadable = [text for kind, text in problems if kind == "unreadable"]
         if unreadable:
             raise verdicts.unreadable_recorded_step(storage.url(directory), step,

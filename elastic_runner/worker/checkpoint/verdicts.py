@@ -49,9 +49,8 @@ def check_digest(name: str, manifest: Mapping[str, Any], size: int, sha: str) ->
     if sha != manifest["sha256"]:
         raise Unverified(f"{name} sha256 {sha[:12]}... does not match the manifest")
 
-def absent_recorded_step(storage: Storage, directory: str, record: Mapping[str, Any],
-                         ranks: str = "this rank", exists: bool | None = None
-                         ) -> CheckpointError | None:
+def absent_recorded_step(storage: Storage, record: Mapping[str, Any],
+                         ranks: str = "this rank") -> CheckpointError:
     """The error for a recorded step whose directory does not exist here at all.
 
     Why not skip it as rot (and retract the record, as for a flipped bit): a committed,
@@ -59,9 +58,7 @@ def absent_recorded_step(storage: Storage, directory: str, record: Mapping[str, 
     than the writer wrote: a node-local path on a job of several nodes, or a changed
     --checkpoint-dir. Skipping it started that node from scratch while the writer's
     node resumed (ranks disagreeing on the step and the data position), and the
-    retraction then unnamed a good checkpoint for everyone. `exists`: already asked."""
-    if exists if exists is not None else storage.fs.exists(directory):
-        return None
+    retraction then unnamed a good checkpoint for everyone."""
     return CheckpointError(
         f"the checkpoint recorded for this run, step {record['step']} ({record.get('url')}), "
         f"is not in the checkpoint folder {storage.url(storage.root)} as {ranks} sees it: "
