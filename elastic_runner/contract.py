@@ -116,7 +116,8 @@ _VARIABLES = {
     "role_world_size": "ROLE_WORLD_SIZE", "role_name": "ROLE_NAME",
     "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT",
     "restart_count": "TORCHELASTIC_RESTART_COUNT", "max_restarts": "TORCHELASTIC_MAX_RESTARTS",
-    "run_id": "TORCHELASTIC_RUN_ID", "use_agent_store": "TORCHELASTIC_USE_AGENT_STORE",
+    "run_id": "TORCHELASTIC_RUN_ID", "run_origin": "ELASTIC_RUN_ORIGIN",
+    "use_agent_store": "TORCHELASTIC_USE_AGENT_STORE",
     "error_file": "TORCHELASTIC_ERROR_FILE",
     "signals_to_handle": "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "round": "ELASTIC_RUN_ROUND",
@@ -160,6 +161,9 @@ class WorkerEnv:
     restart_count: int = 0
     max_restarts: int = 0
     run_id: str = "local"
+    # Which launch of the run id (rendezvous/protocol.origin_key): checkpoint manifests
+    # carry it, so two launches of one command on two etcds do not share a folder.
+    run_origin: str = ""
     # Workers reach rank 0's TCPStore at MASTER_ADDR, never an agent-hosted store.
     use_agent_store: bool = False
     error_file: str = ""

@@ -23,7 +23,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -33,9 +33,7 @@ from elastic_runner.agent.cloud_notice import CloudNoticeWatcher
 from elastic_runner.agent.etcd_outage import check_grace, wait_for_etcd
 from elastic_runner.agent.ports import NoticeWatcher, Rendezvous, StartWorkers, Workers
 from elastic_runner.agent.prewarm import WarmPool
-from elastic_runner.agent.reform_driver import (
-    InProcessReform, ReformBounds, ReformContext,
-)
+from elastic_runner.agent.reform_driver import InProcessReform, ReformBounds, ReformContext
 from elastic_runner.agent.scratch import PasswordFile, create_scratch, remove_orphans
 from elastic_runner.agent.signal_relay import SignalRelay
 from elastic_runner.agent.standby import WarmStart
@@ -212,10 +210,16 @@ class Agent:
 
     def _start_standby(self) -> Workers:
         self._password_file.write()  # their er.init() reads it, before any round
-        return self._start_workers(None, self._rdzv_config.node_id, self._job,
+        return self._start_workers(None, self._rdzv_config.node_id, self._job_env(),
                                    self._config.workers, self._base_env,
                                    echo=self._config.verbosity >= 1, error_dir=self._error_dir,
                                    **self._start_options())
+
+    def _job_env(self) -> contract.WorkerEnv:
+        """The job's variables, with the run's origin once this node has registered."""
+        if not self._job.run_origin:
+            self._job = replace(self._job, run_origin=self.rendezvous.origin())
+        return self._job
 
     def _start_options(self) -> dict:  # the --prewarm pool, if any (fakes take none)
         return {"prewarm": self._prewarm} if self._prewarm else {}
@@ -324,7 +328,7 @@ class Agent:
             stale.unlink(missing_ok=True)  # last round's progress must not look hung
         self._notice_path.unlink(missing_ok=True)
         self._reform.reset()  # fresh processes: a clean channel, capable once they report
-        group = self._start_workers(plan, self._rdzv_config.node_id, self._job,
+        group = self._start_workers(plan, self._rdzv_config.node_id, self._job_env(),
                                     self._config.workers, self._base_env,
                                     echo=self._config.verbosity >= 1, error_dir=self._error_dir,
                                     **self._start_options())

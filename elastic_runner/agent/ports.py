@@ -33,6 +33,9 @@ class Rendezvous(Protocol):
     def leave(self) -> None:
         """Withdraw this node at once, so the others re-form without waiting."""
 
+    def origin(self) -> str:
+        """Which launch of the run id this is (its workers' checkpoint manifests say)."""
+
     def ping(self, write: bool = False) -> None:
         """Raise EtcdUnavailable while the store does not answer; with `write`, also
         EtcdFull while it refuses writes."""

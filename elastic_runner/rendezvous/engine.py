@@ -62,14 +62,9 @@ class EtcdRendezvous(WhileRunning):
     def __init__(self, client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec,
                  max_restarts: int, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time):
-        self._client = client
-        self._config = config
-        self._spec = spec
-        self._max_restarts = max_restarts
-        self._clock = clock
-        self._wall_clock = wall_clock
-        self.prefix = config.prefix
-        self.node_id = config.node_id
+        self._client, self._config, self._spec = client, config, spec
+        self._clock, self._wall_clock, self._max_restarts = clock, wall_clock, max_restarts
+        self.prefix, self.node_id = config.prefix, config.node_id
         self._rules = d.RoundRules(config.min_nodes, config.max_nodes, config.min_workers,
                                    config.max_workers, config.settle_s, config.settle_max_s,
                                    config.drain_timeout_s, config.suspect_grace_s)
@@ -155,6 +150,11 @@ class EtcdRendezvous(WhileRunning):
         if self.lease is not None:
             self.lease.revoke()
         self.mirror.stop()
+
+    def origin(self) -> str:
+        """Which launch of the run id this is (for checkpoint manifests): our copy has it."""
+        return registration.run_origin(self._client, self.prefix,
+                                       self.mirror.get(p.origin_key(self.prefix)))
 
     def ping(self, write: bool = False) -> None:
         """One cheap request: raises EtcdUnavailable while etcd does not answer. With

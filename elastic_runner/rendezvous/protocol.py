@@ -159,6 +159,15 @@ def checkpoint_key(prefix: str) -> str:
     return f"{prefix}checkpoint/latest"
 
 
+def origin_key(prefix: str) -> str:
+    """A random token written once with the run's spec: which launch of the run id this
+    is. The same command started on two nodes that each run their own etcd is two jobs
+    under one run id; their checkpoint manifests tell them apart by it
+    (worker/checkpoint/folder_claim.py). In shared_range, so every agent's start read
+    brings it; it never changes, so it costs no events."""
+    return f"{prefix}origin"
+
+
 def inplace_key(prefix: str) -> str:
     """Present once some worker of the run re-formed in place (its script can): a node
     that joins later starts its workers before announcing itself (agent/standby.py)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import time
 from typing import Callable, Sequence
@@ -59,7 +60,7 @@ def check_spec(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec) ->
     older = _older_prefixes(config)
     try:
         result = client.txn([key_missing(key), *map(prefix_empty, older)],
-                            [Put(key, spec.to_json())],
+                            [Put(key, spec.to_json()), Put(*_new_origin(config.prefix))],
                             [Get(key), *(Get(o, prefix=True, count_only=True) for o in older)])
     except EtcdAuthError:
         return _check_spec_stepwise(client, config, spec, older)
@@ -72,6 +73,23 @@ def check_spec(client: EtcdClient, config: RendezvousConfig, spec: p.JobSpec) ->
     if not existing.kvs:  # the spec went between the compare and the read: look again,
         return _check_spec_stepwise(client, config, spec, older)  # once, step by step
     _compare_spec(config, existing.kvs[0], spec)
+
+
+def _new_origin(prefix: str) -> tuple[str, bytes]:
+    return p.origin_key(prefix), secrets.token_hex(8).encode()
+
+
+def run_origin(client: EtcdClient, prefix: str, known: KeyValue | None) -> str:
+    """The run's origin token (protocol.origin_key): `known`, the key as our copy holds
+    it, else read, and written first where the run's spec came without one (an older
+    elastic-runner's, or a role that checks the spec step by step)."""
+    if known is None:
+        key, fresh = _new_origin(prefix)
+        answer = client.txn([key_missing(key)], [Put(key, fresh)], [Get(key)])
+        if answer.succeeded:
+            return fresh.decode()
+        known = answer.reads[0].kvs[0]
+    return known.value.decode()
 
 
 def _older_prefixes(config: RendezvousConfig) -> list[str]:

@@ -68,6 +68,7 @@ class Checkpointer(_checkpoint.Checkpointer):
             latest_store = _etcd_store(context, writer)
         if context is not None:  # its manifests name the run: folder_claim.py
             kwargs.setdefault("run_id", context.run_id)
+            kwargs.setdefault("run_origin", context.run_origin or None)
         super().__init__(url_or_path, keep=keep, every=every, async_save=async_save, rank=rank,
                          latest_store=latest_store, **kwargs)
         self._context = context

@@ -68,6 +68,7 @@ class Context:
     etcd_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     notice_path: str = ""
     events_path: str = ""
+    run_origin: str = ""  # contract.WorkerEnv.run_origin
     progress_dir: str = ""
     record_socket: str = ""  # the agent's answer for the checkpoint record (record_relay.py)
     # The Checkpointers made under this context; finish() waits for and closes them.
@@ -117,7 +118,8 @@ def context_from_env(environ: Mapping[str, str], backend: str, device: str) -> C
     return Context(
         rank=job.rank, local_rank=job.local_rank, world_size=job.world_size,
         local_world_size=job.local_world_size, restart_count=job.restart_count,
-        round=job.round, run_id=job.run_id, backend=backend, device=device,
+        round=job.round, run_id=job.run_id, run_origin=job.run_origin, backend=backend,
+        device=device,
         etcd_endpoints=job.etcd_endpoints, etcd_prefix=job.etcd_prefix,
         etcd_options=_etcd_options(job), notice_path=job.notice_path,
         events_path=job.events_path, progress_dir=job.progress_dir,

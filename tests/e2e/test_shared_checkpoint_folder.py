@@ -10,55 +10,76 @@ matched its checkpoint and a restart of that job fell back, silently losing work
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 
+from elastic_runner.etcd.server import EmbeddedEtcd
 from tests.e2e.harness import MLP, Job
 
 pytestmark = pytest.mark.e2e
 
 CLASH = "Two runs saving into one folder overwrite and delete each other's checkpoints"
+LAUNCH_CLASH = "one run id launched twice against two etcds"
 
 
+@pytest.mark.parametrize("launches", ["two run ids, one etcd", "one run id, two etcds"])
 def test_a_second_job_saving_into_the_same_folder_is_refused_and_the_first_loses_nothing(
-        etcd, tmp_path):
+        etcd, tmp_path, launches):
+    """The second case is the same command started twice, each against its own etcd (a
+    node started without --etcd embeds one): one run id, two origins. Before the
+    origin (rendezvous/protocol.origin_key) both exited 0 there too."""
     folder = tmp_path / "ckpt"
-    jobs = {}
-    for run_id in ("first", "second"):
-        (tmp_path / run_id).mkdir()
-        jobs[run_id] = Job(etcd.endpoint, tmp_path / run_id, run_id=run_id, nproc=1,
-                           min_nodes=1, max_nodes=1, script=MLP)
-        jobs[run_id].script_args = (  # 1,024 steps: both run until the test hurries them
-            "--checkpoint-dir", str(folder), "--every", "4", "--samples", "32768",
-            "--global-batch", "32", "--step-time", "0.05",
-            "--fast-file", str(jobs[run_id].fast_file))
-    try:
-        jobs["first"].start("a", max_restarts=1)
-        jobs["first"].wait_for(lambda: jobs["first"].recorded_step() >= 10, 90,
-                               "the first job's checkpoint of step 10")
-        jobs["second"].start("a", max_restarts=1)
-        jobs["first"].wait_for(lambda: any(job.agents["a"].poll() is not None
-                                           for job in jobs.values()), 120, "a job to end")
-        for job in jobs.values():
-            job.hurry()
-        codes = {run_id: job.wait_exit("a", timeout=120) for run_id, job in jobs.items()}
-        assert sorted(codes.values()) == [0, 6], codes
-        loser = next(run_id for run_id, code in codes.items() if code == 6)
-        winner = next(run_id for run_id, code in codes.items() if code == 0)
-        refused = [line for line in jobs[loser].agent_log("a").splitlines() if CLASH in line]
-        assert refused and f"this run ('{loser}')" in refused[-1], jobs[loser].agent_log("a")
-        assert CLASH not in jobs[winner].agent_log("a")
-        kept = jobs[winner].checkpoint_record()
-        assert kept["step"] == 1024  # the winner's last step, recorded
-        manifest = json.loads((folder / "step-00001024" / "MANIFEST.json").read_text())
-        assert manifest["sha256"] == kept["sha256"] and manifest["run_id"] == winner
-        for step_dir in folder.glob("step-*"):  # nothing of the loser's past the other's
-            owner = json.loads((step_dir / "MANIFEST.json").read_text())["run_id"]
-            assert owner == winner or int(step_dir.name[5:]) < kept["step"]
-    finally:
-        for job in jobs.values():
-            job.stop_all()
+    with contextlib.ExitStack() as servers:
+        if launches == "one run id, two etcds":
+            endpoints = [etcd.endpoint, servers.enter_context(EmbeddedEtcd()).endpoint]
+            run_ids, clash = ["train", "train"], LAUNCH_CLASH
+        else:
+            endpoints, run_ids, clash = [etcd.endpoint] * 2, ["first", "second"], CLASH
+        jobs = {}
+        for name, endpoint, run_id in zip(("first", "second"), endpoints, run_ids):
+            (tmp_path / name).mkdir()
+            jobs[name] = Job(endpoint, tmp_path / name, run_id=run_id, nproc=1, min_nodes=1,
+                             max_nodes=1, script=MLP)
+            jobs[name].script_args = (  # 1,024 steps: both run until the test hurries them
+                "--checkpoint-dir", str(folder), "--every", "4", "--samples", "32768",
+                "--global-batch", "32", "--step-time", "0.05",
+                "--fast-file", str(jobs[name].fast_file))
+        try:
+            _race(jobs, folder, clash)
+        finally:
+            for job in jobs.values():
+                job.stop_all()
+
+
+def _race(jobs: dict[str, Job], folder, clash: str) -> None:
+    """Start the second job once the first has a checkpoint; one must be refused."""
+    jobs["first"].start("a", max_restarts=1)
+    jobs["first"].wait_for(lambda: jobs["first"].recorded_step() >= 10, 90,
+                           "the first job's checkpoint of step 10")
+    jobs["second"].start("a", max_restarts=1)
+    jobs["first"].wait_for(lambda: any(job.agents["a"].poll() is not None
+                                       for job in jobs.values()), 120, "a job to end")
+    for job in jobs.values():
+        job.hurry()
+    codes = {name: job.wait_exit("a", timeout=120) for name, job in jobs.items()}
+    assert sorted(codes.values()) == [0, 6], codes
+    loser = jobs[next(name for name, code in codes.items() if code == 6)]
+    winner = jobs[next(name for name, code in codes.items() if code == 0)]
+    kept = winner.checkpoint_record()
+    assert kept["step"] == 1024  # the winner's last step, recorded
+    manifest = json.loads((folder / "step-00001024" / "MANIFEST.json").read_text())
+    assert manifest["sha256"] == kept["sha256"] and manifest["run_id"] == winner.run_id
+    refused = [line for line in loser.agent_log("a").splitlines() if clash in line]
+    assert refused, loser.agent_log("a")
+    assert f"of run {winner.run_id!r} (origin {manifest['run_origin']})" in refused[-1]
+    assert f"this run ({loser.run_id!r} (origin " in refused[-1]
+    assert clash not in winner.agent_log("a")
+    for step_dir in folder.glob("step-*"):  # every step of the loser's is below the winner's
+        owner = json.loads((step_dir / "MANIFEST.json").read_text())
+        mine = (owner["run_id"], owner["run_origin"]) == (winner.run_id, manifest["run_origin"])
+        assert mine or int(step_dir.name[5:]) < kept["step"]
 
 
 def test_a_node_local_checkpoint_folder_is_one_clear_error_at_the_first_resize(etcd, tmp_path):

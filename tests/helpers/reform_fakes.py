@@ -317,6 +317,8 @@ class ScriptedRendezvous:
     # in-place capability, as the engine keeps it in etcd
     def mark_in_place(self, round_number: int) -> None: self.marked.append(round_number)
 
+    def origin(self) -> str: return "fake-origin"
+
 
 class Node:
     """One agent (node "a", 2 workers) wired to the fakes."""

@@ -129,6 +129,9 @@ class FakeRendezvous:
     def mark_in_place(self, round_number: int) -> None:
         self.journal.append(f"in place {round_number}")
 
+    def origin(self) -> str:
+        return "origin-1"
+
     def kinds(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["kind"] == kind]
 

@@ -27,8 +27,10 @@ def manifest(root: Path, step: int) -> dict:
     return json.loads((root / f"step-{step:08d}" / "MANIFEST.json").read_text())
 
 
-def run(root: Path, run_id: str | None, keep: int | None = 3) -> Checkpointer:
-    return Checkpointer(root, keep=keep, latest_store=MemoryLatestStore(), run_id=run_id)
+def run(root: Path, run_id: str | None, keep: int | None = 3,
+        origin: str | None = None) -> Checkpointer:
+    return Checkpointer(root, keep=keep, latest_store=MemoryLatestStore(), run_id=run_id,
+                        run_origin=origin)
 
 
 def test_a_second_run_saving_into_the_folder_is_refused_and_writes_nothing(tmp_path):
@@ -143,3 +145,54 @@ def test_a_corrupt_step_the_load_skipped_is_adopted_too(tmp_path):
     assert new.load_latest()["step"] == 20
     new.save(30, state(30))
     assert manifest(tmp_path, 30)["run_id"] == "run-b"
+
+
+def test_one_run_id_launched_on_two_etcds_is_refused_as_a_second_writer(tmp_path):
+    """The same command started on two nodes that each run their own etcd: one run id,
+    two origins (rendezvous/protocol.origin_key). Before, the same run id passed as
+    the same writer, and the two launches overwrote each other's steps."""
+    first = run(tmp_path, "train", origin="aaaa")
+    first.save(10, state(10))
+    first.save(20, state(20))
+    before = manifest(tmp_path, 20)
+    assert before["run_id"] == "train" and before["run_origin"] == "aaaa"
+    second = run(tmp_path, "train", origin="bbbb")
+    with pytest.raises(CheckpointError) as refused:
+        second.save(20, state(99))
+    line = str(refused.value)
+    assert ("holds step 20 of run 'train' (origin aaaa), newer than any step this run "
+            "('train' (origin bbbb)) loaded: one run id launched twice against two etcds"
+            in line), line
+    assert "start every node with the same --etcd" in line and "\n" not in line
+    assert manifest(tmp_path, 20) == before
+    resumed = run(tmp_path, "train", origin="bbbb")  # resuming takes the history over
+    assert resumed.load_latest()["step"] == 20
+    resumed.save(30, state(30))
+    with pytest.raises(CheckpointError, match="holds step 30 of run 'train' \\(origin bbbb\\)"):
+        first.save(30, state(30))  # the launch behind meets the other's newer step
+    assert manifest(tmp_path, 30)["run_origin"] == "bbbb"
+
+
+def test_tidying_keeps_another_launchs_newer_step(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    run(elsewhere, "train", keep=None, origin="aaaa").save(15, state(15))
+    root = tmp_path / "ckpt"
+    mine = run(root, "train", keep=1, origin="bbbb")
+    mine.save(10, state(10))
+    mine.save(20, state(20))
+    shutil.copytree(elsewhere / "step-00000015", root / "step-00000015")  # a late writer's
+    mine.save(30, state(30))
+    assert steps_on_disk(root) == [15, 30]  # ours tidied to keep=1, the other's kept
+
+
+def test_a_manifest_without_an_origin_matches_any_launch_of_its_run(tmp_path):
+    """An older release's manifests (run id, no origin), and a launch whose agent gave
+    no origin (an older agent in a mixed job): the run id alone decides, as before."""
+    older = run(tmp_path, "train")
+    older.save(10, state(10))
+    assert "run_origin" not in manifest(tmp_path, 10)
+    newer = run(tmp_path, "train", origin="aaaa")
+    newer.save(20, state(20))  # its own run's unpublished step: no clash
+    run(tmp_path, "train").save(30, state(30))
+    assert steps_on_disk(tmp_path) == [10, 20, 30]
+    run(tmp_path, "train", origin="aaaa").save(40, state(40))

@@ -7,7 +7,7 @@ renamed into place and committed by writing MANIFEST.json last::
 
     <root>/step-00000123/state.pt        torch.save bytes
     <root>/step-00000123/MANIFEST.json   {"format": 1, "step", "sha256", "bytes",
-                                          "created", "world_size", "run_id" (known)}
+                                          "created", "world_size", "run_id", "run_origin"}
 
 Every rank's `load_latest()` reads the same root (and `latest_store`), so all
 ranks resolve the same step as long as no save is in flight: saves happen during
@@ -54,7 +54,7 @@ from elastic_runner.worker.checkpoint.latest import (
     refuses,
 )
 from elastic_runner.worker.checkpoint import verdicts
-from elastic_runner.worker.checkpoint.folder_claim import MANIFEST_RUN, FolderClaim
+from elastic_runner.worker.checkpoint.folder_claim import FolderClaim
 from elastic_runner.worker.checkpoint.pending_record import PendingRecord
 from elastic_runner.worker.checkpoint.storage import Storage as _Storage
 from elastic_runner.worker.checkpoint.verdicts import (
@@ -103,7 +103,8 @@ class Checkpointer:
                  latest_store: LatestStore | None = None, *, weights_only: bool = True,
                  world_size: int | None = None,
                  storage_options: Mapping[str, Any] | None = None,
-                 sharded: bool = False, run_id: str | None = None) -> None:
+                 sharded: bool = False, run_id: str | None = None,
+                 run_origin: str | None = None) -> None:
         """Open the root; rank 0 proves it can write there now, not at step N.
 
         Args:
@@ -118,8 +119,8 @@ class Checkpointer:
             storage_options: passed to fsspec (credentials, endpoints).
             sharded: every rank writes its own shards with torch.distributed.checkpoint
                 and restore(objects) reshards them (sharded.py); needs a process group.
-            run_id: named in each manifest; another run's steps are then neither
-                overwritten nor tidied away (folder_claim.py).
+            run_id, run_origin: named in each manifest; another run's steps (or another
+                launch's of this run id) are then neither overwritten nor tidied away.
 
         Raises:
             CheckpointError: rank 0 (sharded: any rank) cannot write to the root, no
@@ -132,7 +133,7 @@ class Checkpointer:
         self._storage = _Storage(os.fspath(url_or_path), storage_options or {})
         self._latest = latest_store
         self._pending = PendingRecord()  # a save the store could not record yet (outage)
-        self._claim = FolderClaim(self._storage, run_id, self._dir)
+        self._claim = FolderClaim(self._storage, run_id, self._dir, run_origin)
         self._requested = threading.Event()
         self._verified: dict[int, str] = {}  # step -> sha256 already hashed
         self._writer: BackgroundWriter | None = None  # async_save on rank 0
@@ -433,12 +434,11 @@ class Checkpointer:
     def _commit(self, step: int, data: bytes, sha: str) -> dict[str, Any]:
         """Rewriting an unpublished step is allowed; the newest write wins."""
         d, st = self._dir(step), self._storage
-        manifest: dict[str, Any] = {"format": FORMAT, "step": step, "sha256": sha,
-                                    "bytes": len(data), "created": time.time()}
+        manifest: dict[str, Any] = self._claim.stamp({
+            "format": FORMAT, "step": step, "sha256": sha, "bytes": len(data),
+            "created": time.time()})
         if self._world_size is not None:
             manifest["world_size"] = self._world_size
-        if self._claim.run_id is not None:
-            manifest[MANIFEST_RUN] = self._claim.run_id
         wrote_state, made_dir = False, not st.fs.exists(d)
         try:
             st.fs.makedirs(d, exist_ok=True)

@@ -14,18 +14,42 @@ outside elastic-run, or before this rule, name none and belong to nobody):
   cleans them up as its own;
 - another run's step above that is evidence of a second writer here now: the save is
   refused with one line, before anything is written, and tidying never deletes it.
+
+A run id alone does not tell two launches apart: the default one is the script and its
+arguments, so the same command started on two nodes that each run their own etcd (one
+started without --etcd embeds one) is two jobs under one id. Manifests also carry the
+run's *origin*, a random token its first agent wrote beside the spec
+(rendezvous/protocol.origin_key): a step of the same run id from another origin is
+another writer's. A manifest without one (an older release's) matches any origin.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from elastic_runner.errors import CheckpointError
 from elastic_runner.worker.checkpoint.storage import Storage
 from elastic_runner.worker.checkpoint.verdicts import MANIFEST_FILE, Unreadable
 
-MANIFEST_RUN = "run_id"
+MANIFEST_RUN, MANIFEST_ORIGIN = "run_id", "run_origin"
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """Who wrote a step: the run id, and which launch of it (None: not said)."""
+
+    run_id: str
+    origin: str | None = None
+
+    def same_writer(self, other: "RunIdentity") -> bool:
+        return self.run_id == other.run_id and (
+            self.origin is None or other.origin is None or self.origin == other.origin)
+
+    def describe(self) -> str:
+        return repr(self.run_id) if self.origin is None else \
+            f"{self.run_id!r} (origin {self.origin})"
 
 
 class AnotherRuns(Unreadable):
@@ -36,8 +60,9 @@ class FolderClaim:
     """One writer's view of whose steps are in its folder."""
 
     def __init__(self, storage: Storage, run_id: str | None,
-                 directory_of: Callable[[int], str]) -> None:
-        self._storage, self.run_id, self._directory_of = storage, run_id, directory_of
+                 directory_of: Callable[[int], str], origin: str | None = None) -> None:
+        self._storage, self._directory_of = storage, directory_of
+        self.me = RunIdentity(run_id, origin or None) if run_id is not None else None
         self.adopted: int | None = None  # the newest step the last load examined
 
     def loading(self) -> None:
@@ -46,6 +71,14 @@ class FolderClaim:
     def examined(self, step: int) -> None:
         self.adopted = step if self.adopted is None else max(self.adopted, step)
 
+    def stamp(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """`manifest`, naming this run and its origin where known."""
+        if self.me is not None:
+            manifest[MANIFEST_RUN] = self.me.run_id
+            if self.me.origin is not None:
+                manifest[MANIFEST_ORIGIN] = self.me.origin
+        return manifest
+
     def check_before_writing(self, step: int) -> None:
         """Raise CheckpointError if another run wrote here past what this one's load saw.
 
@@ -53,7 +86,7 @@ class FolderClaim:
         to this run's own newest step: a second writer whose steps lie below it is
         behind, and is the one refused (it meets ours), so a save reads a manifest or
         three, not the folder."""
-        if self.run_id is None:
+        if self.me is None:
             return
         for other in [step, *self._storage.steps()]:
             if self.adopted is not None and other <= self.adopted:
@@ -61,34 +94,43 @@ class FolderClaim:
                     return  # the history this run resumed from
                 continue
             owner = self._owner(other)
-            if owner == self.run_id and other != step:
-                return
-            if owner is not None and owner != self.run_id:
+            if owner is None:
+                continue
+            if not owner.same_writer(self.me):
                 raise self._clash(other, owner, step)
+            if other != step:
+                return
 
-    def _clash(self, other: int, owner: str, step: int) -> CheckpointError:
-        seen = (f"step {self.adopted}, the newest this run ({self.run_id!r}) examined when it "
-                "loaded" if self.adopted is not None else
-                f"any step this run ({self.run_id!r}) loaded")
+    def _clash(self, other: int, owner: RunIdentity, step: int) -> CheckpointError:
+        me = self.me.describe()
+        seen = (f"step {self.adopted}, the newest this run ({me}) examined when it loaded"
+                if self.adopted is not None else f"any step this run ({me}) loaded")
+        where = f"checkpoint folder {self._storage.url(self._storage.root)}"
+        if owner.run_id != self.me.run_id:
+            return CheckpointError(
+                f"{where} holds step {other} of run {owner.describe()}, newer than {seen}. Two "
+                "runs saving into one folder overwrite and delete each other's checkpoints, "
+                f"so step {step} is not written: give each run its own checkpoint folder (to "
+                "continue an ended run, start the new one by loading its checkpoints)")
         return CheckpointError(
-            f"checkpoint folder {self._storage.url(self._storage.root)} holds step {other} of "
-            f"run {owner!r}, newer than {seen}. Two runs saving into one folder overwrite and "
-            f"delete each other's checkpoints, so step {step} is not written: give each run "
-            "its own checkpoint folder (to continue an ended run, start the new one by "
-            "loading its checkpoints)")
+            f"{where} holds step {other} of run {owner.describe()}, newer than {seen}: one "
+            "run id launched twice against two etcds (a node started without --etcd runs "
+            "an etcd of its own). Two launches saving into one folder overwrite and delete "
+            f"each other's checkpoints, so step {step} is not written: start every node "
+            "with the same --etcd, or give each launch its own checkpoint folder and run id")
 
     def protecting(self, verify: Callable[[int], object]) -> Callable[[int], object]:
         """`verify` for tidying, raising AnotherRuns for a step it must keep (asked
         first: another run's step that does not verify now may be one it is rewriting)."""
         def checked(step: int) -> object:
-            if self.run_id is not None and (self.adopted is None or step > self.adopted):
+            if self.me is not None and (self.adopted is None or step > self.adopted):
                 owner = self._owner(step)
-                if owner is not None and owner != self.run_id:
-                    raise AnotherRuns(f"step {step} is run {owner!r}'s")
+                if owner is not None and not owner.same_writer(self.me):
+                    raise AnotherRuns(f"step {step} is run {owner.describe()}'s")
             return verify(step)
         return checked
 
-    def _owner(self, step: int) -> str | None:
+    def _owner(self, step: int) -> RunIdentity | None:
         """The run its manifest names, in either format; None: nobody's, or no usable
         manifest (a save cut short is no evidence of a writer)."""
         try:
@@ -96,5 +138,7 @@ class FolderClaim:
                 f"{self._directory_of(step)}/{MANIFEST_FILE}"))
         except (OSError, ValueError):
             return None
-        owner = manifest.get(MANIFEST_RUN) if isinstance(manifest, dict) else None
-        return owner if isinstance(owner, str) else None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get(MANIFEST_RUN), str):
+            return None
+        origin = manifest.get(MANIFEST_ORIGIN)
+        return RunIdentity(manifest[MANIFEST_RUN], origin if isinstance(origin, str) else None)

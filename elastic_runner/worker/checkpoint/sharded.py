@@ -182,7 +182,7 @@ class ShardedFormat:
             if problem:
                 raise CheckpointWriteError(f"checkpoint step {step} not committed: {problem}")
             table.update(mine)
-        manifest = files.build_manifest(step, dist.get_world_size(), table, owner._claim.run_id)
+        manifest = owner._claim.stamp(files.build_manifest(step, dist.get_world_size(), table))
         try:
             storage.write_atomic(f"{directory}/{files.MANIFEST_FILE}",
                                  json.dumps(manifest, indent=1).encode())

@@ -87,13 +87,11 @@ def table_digest(files: Mapping[str, Mapping[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
-def build_manifest(step: int, world_size: int, files: Mapping[str, Mapping[str, Any]],
-                   run_id: str | None = None) -> dict[str, Any]:
-    manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
-                "created": time.time(), "sha256": table_digest(files), "files": dict(files)}
-    if run_id is not None:  # folder_claim.py
-        manifest["run_id"] = run_id
-    return manifest
+def build_manifest(step: int, world_size: int, files: Mapping[str, Mapping[str, Any]]
+                   ) -> dict[str, Any]:
+    """The run's identity is added by folder_claim.FolderClaim.stamp."""
+    return {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
+            "created": time.time(), "sha256": table_digest(files), "files": dict(files)}
 
 
 def read_manifest(storage: Any, directory: str, step: int) -> dict[str, Any]:
