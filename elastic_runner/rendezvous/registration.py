@@ -17,7 +17,9 @@ a key that outlives it belongs to an agent that renewed its lease: a live one.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import secrets
 import socket
 import time
@@ -35,6 +37,8 @@ from elastic_runner.etcd.client import (
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.rendezvous import carried_plan
 from elastic_runner.rendezvous import protocol as p
+
+log = logging.getLogger(__name__)
 
 # etcd checks for expired leases every 500 ms, and a leader change extends every
 # lease by an election timeout: a dead holder's key may outlive its TTL by this much.
@@ -89,7 +93,12 @@ def run_origin(client: EtcdClient, prefix: str, known: KeyValue | None) -> str:
         if answer.succeeded:
             return fresh.decode()
         known = answer.reads[0].kvs[0]
-    return known.value.decode()
+    token = known.value.decode(errors="replace")
+    if re.fullmatch(r"[0-9a-f]{8,64}", token):
+        return token
+    log.warning("the run's origin key %s holds %r, not a token elastic-runner wrote; "
+                "checkpoint manifests name the run id only", known.key, token[:80])
+    return ""
 
 
 def _older_prefixes(config: RendezvousConfig) -> list[str]:

@@ -101,3 +101,15 @@ def test_a_standby_node_asks_for_the_origin_before_its_copy_starts(etcd, agent):
     standby = agent(etcd.endpoint, "b")
     assert standby.register(unless_in_place=True) is False
     assert standby.origin() == first.origin()
+
+
+def test_an_origin_key_that_holds_no_token_is_not_passed_on(etcd, agent, caplog):
+    """Someone wrote a path and a newline into the key: nothing of it reaches the
+    workers' environment or a manifest; the run id alone names the run, as before."""
+    first = agent(etcd.endpoint, "a")
+    first.register()
+    first._client.put(p.origin_key(first.prefix), b"../x\nrm -rf /")
+    late = agent(etcd.endpoint, "b")
+    late.register()
+    assert late.origin() == ""
+    assert "not a token elastic-runner wrote" in caplog.text
