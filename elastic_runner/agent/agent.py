@@ -23,6 +23,7 @@ import shutil
 import signal
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -39,9 +40,8 @@ from elastic_runner.agent.signal_relay import SignalRelay
 from elastic_runner.agent.standby import WarmStart
 from elastic_runner.config import AgentConfig, EtcdConfig
 from elastic_runner.contract import EXIT_FOR_RESIZE, read_progress
-from elastic_runner.errors import (
-    EtcdFull, EtcdUnavailable, RendezvousError, ShutdownRequested, WorkerFailure,
-)
+from elastic_runner.errors import (EtcdFull, EtcdUnavailable, RendezvousError,
+                                   ShutdownRequested, WorkerFailure)
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.events import EVENTS_FILE, EventLog
 from elastic_runner.rendezvous.failures import describe_exit, failure_message
@@ -218,7 +218,8 @@ class Agent:
     def _job_env(self) -> contract.WorkerEnv:
         """The job's variables, with the run's origin once this node has registered."""
         if not self._job.run_origin:
-            self._job = replace(self._job, run_origin=self.rendezvous.origin())
+            with suppress(EtcdUnavailable):  # then without it this time: the run id names it
+                self._job = replace(self._job, run_origin=self.rendezvous.origin())
         return self._job
 
     def _start_options(self) -> dict:  # the --prewarm pool, if any (fakes take none)

@@ -54,6 +54,7 @@ class FakeRendezvous:
         self.on_look = lambda: None
         self.on_ping = lambda: None
         self.interrupted = False
+        self.origin_answer: str | Exception = "0123456789abcdef"
         self._looks = itertools.count(1)
 
     def register(self, unless_in_place: bool = False) -> bool:
@@ -130,7 +131,10 @@ class FakeRendezvous:
         self.journal.append(f"in place {round_number}")
 
     def origin(self) -> str:
-        return "origin-1"
+        self.journal.append("origin")
+        if isinstance(self.origin_answer, Exception):
+            raise self.origin_answer
+        return self.origin_answer
 
     def kinds(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["kind"] == kind]
@@ -226,6 +230,7 @@ class Node:
         self.watcher = FakeWatcher()
         self.notice_file = tmp_path / "reclaim-notice"
         self.started: list[Plan] = []
+        self.jobs: list = []  # the WorkerEnv each start was given
         self._script = (exits or {}, boundary, steps_to_boundary)
         rdzv = RendezvousConfig(run_id="unit", node_id=NODE, lease_ttl_s=LEASE_TTL_S,
                                 join_timeout_s=join_timeout_s)
@@ -239,6 +244,7 @@ class Node:
 
     def _start_workers(self, plan, node_id, job, config, base_env, echo=True, error_dir=None):
         self.started.append(plan)
+        self.jobs.append(job)
         return FakeWorkers(plan, job, self.journal, *self._script)
 
     def run(self) -> int:
@@ -312,6 +318,24 @@ def test_workers_that_all_succeed_finish_the_run_with_0(tmp_path):
     assert node.run() == 0
     assert node.journal[-2:] == ["finish", "leave"]
     assert [e["round"] for e in node.rendezvous.kinds("finished")] == [0]
+
+
+def test_workers_are_told_the_runs_origin_asked_for_once(tmp_path):
+    """Their checkpoint manifests carry it (folder_claim.py); once known, it is kept."""
+    node = Node(tmp_path, max_restarts=1, exits={1: 3})
+    assert node.run() == 6
+    assert [job.run_origin for job in node.jobs] == ["0123456789abcdef"] * 2
+    assert node.journal.count("origin") == 1
+
+
+def test_workers_start_without_the_origin_while_etcd_cannot_give_it(tmp_path):
+    """A secondary check's token must not stop a start: the run id still names the
+    run's checkpoints, and the next start asks again."""
+    node = Node(tmp_path, max_restarts=1, exits={1: 3})
+    node.rendezvous.origin_answer = EtcdUnavailable("no etcd endpoint answered (fake)")
+    assert node.run() == 6
+    assert [job.run_origin for job in node.jobs] == ["", ""]
+    assert node.journal.count("origin") == 2
 
 
 def test_a_worker_failing_past_max_restarts_ends_with_6_naming_it(tmp_path):

@@ -163,7 +163,7 @@ def test_one_run_id_launched_on_two_etcds_is_refused_as_a_second_writer(tmp_path
     assert ("holds step 20 of run 'train' (origin aaaa), newer than any step this run "
             "('train' (origin bbbb)) loaded: one run id launched twice against two etcds"
             in line), line
-    assert "start every node with the same --etcd" in line and "\n" not in line
+    assert "start every node with the same --rdzv-endpoints" in line and "\n" not in line
     assert manifest(tmp_path, 20) == before
     resumed = run(tmp_path, "train", origin="bbbb")  # resuming takes the history over
     assert resumed.load_latest()["step"] == 20

@@ -17,7 +17,7 @@ outside elastic-run, or before this rule, name none and belong to nobody):
 
 A run id alone does not tell two launches apart: the default one is the script and its
 arguments, so the same command started on two nodes that each run their own etcd (one
-started without --etcd embeds one) is two jobs under one id. Manifests also carry the
+started without --rdzv-endpoints embeds one) is two jobs under one id. Manifests also carry the
 run's *origin*, a random token its first agent wrote beside the spec
 (rendezvous/protocol.origin_key): a step of the same run id from another origin is
 another writer's. A manifest without one (an older release's) matches any origin.
@@ -102,22 +102,26 @@ class FolderClaim:
                 return
 
     def _clash(self, other: int, owner: RunIdentity, step: int) -> CheckpointError:
-        me = self.me.describe()
+        """Origins are named only where the run ids agree (then they are the news)."""
+        same_id = owner.run_id == self.me.run_id
+        me, them = (self.me.describe(), owner.describe()) if same_id else \
+            (repr(self.me.run_id), repr(owner.run_id))
         seen = (f"step {self.adopted}, the newest this run ({me}) examined when it loaded"
                 if self.adopted is not None else f"any step this run ({me}) loaded")
-        where = f"checkpoint folder {self._storage.url(self._storage.root)}"
-        if owner.run_id != self.me.run_id:
+        head = (f"checkpoint folder {self._storage.url(self._storage.root)} holds step "
+                f"{other} of run {them}, newer than {seen}")
+        if not same_id:
             return CheckpointError(
-                f"{where} holds step {other} of run {owner.describe()}, newer than {seen}. Two "
-                "runs saving into one folder overwrite and delete each other's checkpoints, "
-                f"so step {step} is not written: give each run its own checkpoint folder (to "
-                "continue an ended run, start the new one by loading its checkpoints)")
+                f"{head}. Two runs saving into one folder overwrite and delete each other's "
+                f"checkpoints, so step {step} is not written: give each run its own checkpoint "
+                "folder (to continue an ended run, start the new one by loading its "
+                "checkpoints)")
         return CheckpointError(
-            f"{where} holds step {other} of run {owner.describe()}, newer than {seen}: one "
-            "run id launched twice against two etcds (a node started without --etcd runs "
-            "an etcd of its own). Two launches saving into one folder overwrite and delete "
-            f"each other's checkpoints, so step {step} is not written: start every node "
-            "with the same --etcd, or give each launch its own checkpoint folder and run id")
+            f"{head}: one run id launched twice against two etcds (a node started without "
+            "--rdzv-endpoints runs an etcd of its own). Two launches saving into one folder "
+            f"overwrite and delete each other's checkpoints, so step {step} is not written: "
+            "start every node with the same --rdzv-endpoints, or give each launch its own "
+            "checkpoint folder and run id")
 
     def protecting(self, verify: Callable[[int], object]) -> Callable[[int], object]:
         """`verify` for tidying, raising AnotherRuns for a step it must keep (asked
