@@ -82,6 +82,13 @@ def _json(kv) -> dict | None:
         return None
 
 
+def _text(kv) -> str | None:
+    """A token-like value (hex digits); anything else shown as unreadable, never as
+    markup or a second line."""
+    value = kv.value.decode(errors="replace") if kv is not None else None
+    return value if value is None or value.isalnum() else "(unreadable)"
+
+
 def list_runs(client) -> list[dict]:
     """Every run under the schema prefix with its round, state and world size."""
     entries, _ = client.get_prefix(f"{p.SCHEMA_PREFIX}/")
@@ -172,6 +179,7 @@ def run_status(client, run_id: str, events: int = 10) -> dict:
     in_plan = set(plan.node_ids) if plan else set()
     return {
         "run_id": run_id,
+        "origin": _text(client.get(p.origin_key(prefix))),  # which launch: folder_claim.py
         "spec": _json(spec_kv),
         "round": state.number if state else None,
         "state": state.state if state else None,
@@ -218,7 +226,9 @@ def render_status(console, status: dict) -> None:
     from rich.table import Table
 
     ckpt = status["checkpoint"]
-    head = (f"[bold]{status['run_id']}[/] round {status['round']} [bold]{status['state']}[/]"
+    origin = f" (origin {status['origin']})" if status.get("origin") else ""
+    head = (f"[bold]{status['run_id']}[/]{origin} round {status['round']} "
+            f"[bold]{status['state']}[/]"
             f" ({status['cause']}), world size {status['world_size']}, master "
             f"{status['master']}, restarts {status['restart_count']}")
     console.print(head)

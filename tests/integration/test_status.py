@@ -41,6 +41,7 @@ def test_json_shows_members_round_and_events(job):
     view = json.loads(done.stdout)
     assert (view["run_id"], view["state"], view["world_size"]) == ("status-run", "closed", 1)
     assert view["spec"]["min_nodes"] == 1
+    assert len(view["origin"]) == 16 and int(view["origin"], 16) >= 0  # which launch
     [member] = view["members"]
     assert (member["node"], member["node_rank"], member["ranks"]) == ("a", 0, [0])
     assert member["labels"] == {"zone": "z1"}
@@ -95,6 +96,7 @@ def test_table_output_and_run_listing(job):
     table = status_cli(job.endpoint, "--run-id", job.run_id)
     assert table.returncode == 0, table.stderr
     assert "status-run" in table.stdout and "members" in table.stdout and "a" in table.stdout
+    assert "(origin " in table.stdout
     listing = status_cli(job.endpoint, "--json")
     assert listing.returncode == 0, listing.stderr
     [run] = json.loads(listing.stdout)["runs"]
