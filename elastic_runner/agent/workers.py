@@ -232,12 +232,7 @@ class WorkerGroup:
                        for local in range(config.nproc)])
         for ranks in placements:
             name = f"rank{ranks.rank}" if plan is not None else f"standby{ranks.local_rank}"
-            log_path = None
-            if config.log_dir:
-                folder = config.log_dir / job.run_id / (
-                    f"round{plan.round}" if plan is not None else "standby")
-                folder.mkdir(parents=True, exist_ok=True)
-                log_path = folder / f"{name}.log"
+            log_path = worker_log(config.log_dir, job.run_id, plan, node_id, name)
             error_path = error_dir / f"{name}.json" if error_dir else None
             if error_path is not None:
                 error_path.unlink(missing_ok=True)  # an earlier round's error is not this one's
@@ -338,6 +333,21 @@ class WorkerGroup:
         if not self.wait(grace_s):
             self.signal_all(signal.SIGKILL)
             self.wait(10.0)
+
+
+def worker_log(log_dir: Path | None, run_id: str, plan: Plan | None, node_id: str,
+               name: str) -> Path | None:
+    """`DIR/RUN/roundN/rankR.log`; a standby worker's under its node's name.
+
+    Why the node: --log-dir is often one shared folder for every node, and standby
+    workers have no global rank yet. Named by local rank alone, two nodes' standby
+    workers appended to one file, which stays their log once they take a place."""
+    if log_dir is None:
+        return None
+    folder = log_dir / run_id / (f"round{plan.round}" if plan is not None else
+                                 f"standby/{node_id}")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{name}.log"
 
 
 def job_env(config: AgentConfig, etcd: EtcdConfig, scratch: Path,

@@ -135,3 +135,30 @@ def test_a_standby_worker_gets_everything_but_a_place():
     assert (read.standby, read.round, read.local_world_size, read.reform_dir) == \
         (True, -1, 4, "/scratch/reform")
     assert WorkerEnv.from_env(envs("a", gpu_count=0)[0]).standby is False
+
+
+def test_standby_workers_of_two_nodes_sharing_a_log_dir_write_their_own_logs(tmp_path):
+    """--log-dir is often one shared folder for every node. Standby workers have no
+    global rank yet; named by local rank alone, node a's and node b's first standby
+    worker appended to one file, which stayed each one's log once placed."""
+    import sys
+    from dataclasses import replace
+
+    from elastic_runner.agent.workers import WorkerGroup
+
+    config = WorkerConfig(argv=(sys.executable, "-c", "import os; print('from', os.getpid())"),
+                          nproc=2, fingerprint="f", log_dir=tmp_path)
+    job = WorkerEnv(run_id="job7")
+    pids = {}
+    for node in ("a", "b"):
+        group = WorkerGroup.start(None, node, job, config, {}, echo=False)
+        assert group.wait(30.0)
+        pids[node] = group.pids
+    for node in ("a", "b"):
+        for local, pid in enumerate(pids[node]):
+            log = tmp_path / "job7" / "standby" / node / f"standby{local}.log"
+            assert log.read_text().splitlines() == [f"from {pid}"]
+    placed = WorkerGroup.start(PLAN, "b", job, replace(config, nproc=4), {}, echo=False)
+    assert placed.wait(30.0)
+    assert sorted(p.name for p in (tmp_path / "job7" / "round3").iterdir()) == \
+        ["rank4.log", "rank5.log", "rank6.log", "rank7.log"]
