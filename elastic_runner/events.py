@@ -8,6 +8,8 @@ must not stop training.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import threading
@@ -43,8 +45,7 @@ class EventLog:
         with self._lock:
             if self.path is not None:
                 try:
-                    with open(self.path, "a") as handle:
-                        handle.write(line + "\n")
+                    append_line(self.path, line)
                 except OSError as exc:
                     log.debug("event not written to %s: %s", self.path, exc)
         for listener in self._listeners:
@@ -58,6 +59,29 @@ class EventLog:
             except Exception as exc:  # etcd down: the local copy is enough
                 log.debug("event %s not published: %s", kind, exc)
         return record
+
+
+# Where a file system has no POSIX locks, appends go on without one.
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line to a file that other processes, on other machines too, append to.
+
+    Why the lock: one --log-dir often serves every node (a shared folder), and on NFS
+    O_APPEND is not atomic across clients (open(2)): each client writes at the end it
+    last saw, so two nodes' events overwrite each other. Under a POSIX lock the NFS
+    client looks up the size again and writes before releasing it. On a file system
+    without locks (NFS mounted `nolock`) the line is appended as before.
+    """
+    with open(path, "a") as handle:
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKS:
+                raise
+        handle.write(line + "\n")
+        handle.flush()  # before close() releases the lock
 
 
 def read_jsonl(path: Path) -> list[dict]:
