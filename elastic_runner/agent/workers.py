@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -30,6 +31,8 @@ from elastic_runner.contract import (
 from elastic_runner.reform import REFORM_DIR, STANDBY_ROUND
 from elastic_runner.rendezvous.protocol import Plan
 from elastic_runner.rendezvous.ranks import RankAssignment, assign_ranks
+
+log = logging.getLogger("elastic_runner")
 
 STDERR_TAIL_LINES = 20
 NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -159,7 +162,7 @@ class _Worker:
         self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.exit: WorkerExit | None = None
         self.exited_at: float | None = None
-        log_file = open(log_path, "a", buffering=1) if log_path else None
+        log_file = self._open_log(log_path) if log_path else None
         self._pumps = [
             threading.Thread(target=self._pump, args=(process.stdout, sys.stdout, None, log_file,
                                                       echo), daemon=True),
@@ -180,16 +183,39 @@ class _Worker:
         self.process.wait()
         self.exited_at = time.monotonic()
 
+    def _open_log(self, path: Path):
+        try:
+            return open(path, "a", buffering=1)
+        except OSError as exc:  # a full or read-only log folder must not stop a start
+            log.warning("worker %s: its log %s cannot be opened (%s); its output goes on "
+                        "without it", self.name, path, exc)
+            return None
+
     def _pump(self, source, sink, tail, log_file, echo) -> None:
+        """Drain one of the worker's pipes to its end, whatever becomes of where it goes.
+
+        Why: a worker blocks at its next print once its pipe holds 64 KiB. A log on a
+        full disk (ENOSPC) or the agent's own output closed (`elastic-run ... | head`)
+        ended this thread with the exception, and the worker hung mid-training. Now a
+        destination that fails is dropped with one warning and the pipe still drained."""
+        outputs = {"log": log_file, "echo": sink if echo else None}
         for raw in iter(source.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             if tail is not None:
                 tail.append(line)
-            if log_file:
-                log_file.write(line + "\n")
-            if echo:  # the rank of now: an in-process re-formation changes it
-                sink.write(f"[{self.name}]: {line}\n")
-                sink.flush()
+            for what, out in outputs.items():
+                if out is None:
+                    continue
+                # prefixed with the rank of now: an in-process re-formation changes it
+                text = line + "\n" if what == "log" else f"[{self.name}]: {line}\n"
+                try:
+                    out.write(text)
+                    out.flush()
+                except (OSError, ValueError) as exc:
+                    outputs[what] = None
+                    log.warning("worker %s: %s no longer written (%s); its output goes on "
+                                "without it", self.name, f"its log {self.log_path}"
+                                if what == "log" else "the agent's output", exc)
         source.close()
 
     @property

@@ -1,4 +1,7 @@
-"""The environment a worker gets, including the GPU it would see on a 4-GPU node."""
+"""The environment a worker gets, including the GPU it would see on a 4-GPU node, and
+where its output goes."""
+
+import pytest
 
 from elastic_runner.config import WorkerConfig
 from elastic_runner.contract import WorkerEnv
@@ -162,3 +165,48 @@ def test_standby_workers_of_two_nodes_sharing_a_log_dir_write_their_own_logs(tmp
     assert placed.wait(30.0)
     assert sorted(p.name for p in (tmp_path / "job7" / "round3").iterdir()) == \
         ["rank4.log", "rank5.log", "rank6.log", "rank7.log"]
+
+
+CHATTY = ("import sys\n"
+          "for n in range(4000):\n"
+          "    print('line', n, 'x' * 60)\n"  # 300 KB: several times a pipe's 64 KiB
+          "print('last words', file=sys.stderr)\n")
+
+
+@pytest.mark.parametrize("where", ["log on a full disk", "agent output closed"])
+def test_a_worker_whose_output_cannot_be_written_still_runs_to_its_end(tmp_path, caplog,
+                                                                        monkeypatch, where):
+    """/dev/full answers every write with ENOSPC, as a full log disk does; a closed
+    stream is the agent's output under `elastic-run ... | head`. Before, the thread
+    copying the worker's pipe died with the error and the worker blocked at its next
+    print, forever."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from elastic_runner.agent.workers import _Worker
+
+    process = subprocess.Popen([sys.executable, "-c", CHATTY], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    ranks = assign_ranks(PLAN, "a")[0]
+    if where == "log on a full disk":
+        worker = _Worker(ranks, process, Path("/dev/full"), echo=False)
+    else:
+        closed = open(tmp_path / "out", "w")
+        closed.close()
+        monkeypatch.setattr(sys, "stdout", closed)  # what the worker's pumps write to
+        monkeypatch.setattr(sys, "stderr", closed)
+        worker = _Worker(ranks, process, None, echo=True)
+        monkeypatch.undo()
+    try:
+        assert process.wait(timeout=30) == 0  # before: blocked on a full pipe
+    finally:
+        process.kill()
+    exit_ = None
+    for _ in range(100):
+        exit_ = worker.poll()
+        if exit_ is not None:
+            break
+    assert exit_ is not None and exit_.exit_code == 0
+    assert list(worker.tail) == ["last words"]
+    assert "no longer written" in caplog.text
