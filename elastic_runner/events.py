@@ -63,6 +63,11 @@ class EventLog:
 
 # Where a file system has no POSIX locks, appends go on without one.
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
+_HELD = (errno.EAGAIN, errno.EACCES)
+# The longest an append waits for another writer's lock. Writers hold it for one line;
+# one that died holding it on NFS keeps it until its lease ends (90 s on NFSv4), and an
+# agent's loop must not stall that long for an event: then the line goes in without.
+LOCK_WAIT_S = 1.0
 
 
 def append_line(path: Path, line: str) -> None:
@@ -72,14 +77,22 @@ def append_line(path: Path, line: str) -> None:
     O_APPEND is not atomic across clients (open(2)): each client writes at the end it
     last saw, so two nodes' events overwrite each other. Under a POSIX lock the NFS
     client looks up the size again and writes before releasing it. On a file system
-    without locks (NFS mounted `nolock`) the line is appended as before.
+    without locks (NFS mounted `nolock`), or a lock held past LOCK_WAIT_S, the line
+    is appended as before.
     """
     with open(path, "a") as handle:
-        try:
-            fcntl.lockf(handle, fcntl.LOCK_EX)
-        except OSError as exc:
-            if exc.errno not in _NO_LOCKS:
-                raise
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno in _NO_LOCKS or (exc.errno in _HELD and
+                                              time.monotonic() >= deadline):
+                    break
+                if exc.errno not in _HELD:
+                    raise
+                time.sleep(0.01)
         handle.write(line + "\n")
         handle.flush()  # before close() releases the lock
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -213,6 +214,9 @@ class _Worker:
                     out.flush()
                 except (OSError, ValueError) as exc:
                     outputs[what] = None
+                    if what == "log":
+                        with suppress(OSError):
+                            out.close()
                     log.warning("worker %s: %s no longer written (%s); its output goes on "
                                 "without it", self.name, f"its log {self.log_path}"
                                 if what == "log" else "the agent's output", exc)

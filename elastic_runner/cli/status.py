@@ -83,8 +83,8 @@ def _json(kv) -> dict | None:
 
 
 def _text(kv) -> str | None:
-    """A token-like value (hex digits); anything else shown as unreadable, never as
-    markup or a second line."""
+    """A token-like value (letters and digits); anything else shown as unreadable,
+    never as markup or a second line."""
     value = kv.value.decode(errors="replace") if kv is not None else None
     return value if value is None or value.isalnum() else "(unreadable)"
 

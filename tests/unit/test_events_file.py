@@ -65,3 +65,27 @@ def test_an_unwritable_events_file_never_stops_the_caller(tmp_path):
     log = EventLog("a", "job7", path)
     path.mkdir()  # open() fails: the event is lost, the caller goes on
     assert log.emit("finished")["kind"] == "finished"
+
+
+def test_a_lock_never_released_delays_an_event_by_at_most_the_bound(tmp_path):
+    """A writer that died holding the lock on NFS keeps it until its lease ends (90 s
+    on NFSv4): the agent's loop must not stall that long for an event."""
+    import time
+
+    from elastic_runner.events import LOCK_WAIT_S
+
+    path = tmp_path / "events.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        started = time.monotonic()
+        writer = threading.Thread(target=EventLog("a", "job7", path).emit, args=("failed",))
+        writer.start()
+        writer.join(60.0)  # the holder never lets go: it must give up on the lock
+        assert not writer.is_alive()
+        assert time.monotonic() - started >= LOCK_WAIT_S  # it did wait for the holder
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [e["kind"] for e in read_jsonl(path)] == ["failed"]
