@@ -114,3 +114,25 @@ def wait_for_agreement(nodes: list[Node], size: int, timeout_s: float = 60):
         time.sleep(0.05)
     raise AssertionError(f"no agreement on {size} members: "
                          f"{[(n.plans[-1].round, len(n.plans[-1].members)) if n.plans else None for n in nodes]}")
+
+
+class Engines:
+    """Unregistered EtcdRendezvous objects a test makes one by one; close_all() leaves
+    and closes every one (a fixture's teardown)."""
+
+    def __init__(self, spec: JobSpec, lease_ttl_s: int):
+        self._spec, self._ttl = spec, lease_ttl_s
+        self.made: list[EtcdRendezvous] = []
+
+    def make(self, endpoint: str, run: str, node_id: str) -> EtcdRendezvous:
+        client = EtcdClient(EtcdConfig((endpoint,), timeout_s=5.0, retry_deadline_s=10.0))
+        config = RendezvousConfig(run, node_id, max_nodes=4, lease_ttl_s=self._ttl,
+                                  settle_s=0.2)
+        self.made.append(EtcdRendezvous(client, config, self._spec, 0))
+        return self.made[-1]
+
+    def close_all(self) -> None:
+        for each in self.made:
+            each.shutdown.set()
+            each.leave()
+            each._client.close()

@@ -15,13 +15,11 @@ import time
 
 import pytest
 
-from elastic_runner.config import EtcdConfig, RendezvousConfig
 from elastic_runner.errors import DuplicateNodeId, LeaseNotFound, exit_code_for
-from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.rendezvous import protocol as p
 from elastic_runner.rendezvous import registration
 from elastic_runner.rendezvous.engine import EtcdRendezvous
-from tests.helpers.rdzv_nodes import Node, wait_for_agreement
+from tests.helpers.rdzv_nodes import Engines, Node, wait_for_agreement
 
 TTL_S = 2
 
@@ -30,19 +28,9 @@ TTL_S = 2
 @pytest.fixture
 def agent(etcd):
     """Make an EtcdRendezvous (not registered yet); all are left and closed after."""
-    made: list[EtcdRendezvous] = []
-
-    def make(run: str, node_id: str) -> EtcdRendezvous:
-        client = EtcdClient(EtcdConfig((etcd.endpoint,), timeout_s=5.0, retry_deadline_s=10.0))
-        config = RendezvousConfig(run, node_id, max_nodes=4, lease_ttl_s=TTL_S, settle_s=0.2)
-        made.append(EtcdRendezvous(client, config, p.JobSpec(1, 4, "test"), 0))
-        return made[-1]
-
-    yield make
-    for each in made:
-        each.shutdown.set()
-        each.leave()
-        each._client.close()
+    engines = Engines(p.JobSpec(1, 4, "test"), TTL_S)
+    yield lambda run, node_id: engines.make(etcd.endpoint, run, node_id)
+    engines.close_all()
 
 
 def holder_lease(rdzv: EtcdRendezvous) -> int | None:

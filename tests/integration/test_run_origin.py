@@ -13,31 +13,21 @@ import re
 
 import pytest
 
-from elastic_runner.config import EtcdConfig, RendezvousConfig
 from elastic_runner.etcd.client import EtcdClient
 from elastic_runner.etcd.server import EmbeddedEtcd
 from elastic_runner.rendezvous import protocol as p
-from elastic_runner.rendezvous.engine import EtcdRendezvous
+from tests.helpers.rdzv_nodes import Engines
 
 SPEC = p.JobSpec(1, 4, "train.py --lr 0.1")
 
 
 @pytest.fixture
 def agent():
-    """Make an EtcdRendezvous on the given etcd (not registered); all left after."""
-    made: list[EtcdRendezvous] = []
-
-    def make(endpoint: str, node_id: str, run: str = "train") -> EtcdRendezvous:
-        client = EtcdClient(EtcdConfig((endpoint,), timeout_s=5.0, retry_deadline_s=10.0))
-        config = RendezvousConfig(run, node_id, max_nodes=4, lease_ttl_s=3, settle_s=0.2)
-        made.append(EtcdRendezvous(client, config, SPEC, 0))
-        return made[-1]
-
-    yield make
-    for each in made:
-        each.shutdown.set()
-        each.leave()
-        each._client.close()
+    """Make an EtcdRendezvous of run "train" on the given etcd (not registered); all
+    left after."""
+    engines = Engines(SPEC, lease_ttl_s=3)
+    yield lambda endpoint, node_id: engines.make(endpoint, "train", node_id)
+    engines.close_all()
 
 
 class CountingTxn:
