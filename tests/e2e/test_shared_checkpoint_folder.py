@@ -55,10 +55,10 @@ def test_a_second_job_saving_into_the_same_folder_is_refused_and_the_first_loses
 
 def _race(jobs: dict[str, Job], folder, clash: str) -> None:
     """Start the second job once the first has a checkpoint; one must be refused."""
-    jobs["first"].start("a", max_restarts=1)
+    jobs["first"].start("a", max_restarts=0)
     jobs["first"].wait_for(lambda: jobs["first"].recorded_step() >= 10, 90,
                            "the first job's checkpoint of step 10")
-    jobs["second"].start("a", max_restarts=1)
+    jobs["second"].start("a", max_restarts=0)
     jobs["first"].wait_for(lambda: any(job.agents["a"].poll() is not None
                                        for job in jobs.values()), 120, "a job to end")
     for job in jobs.values():
