@@ -133,6 +133,9 @@ class RendezvousConfig:
     # so etcd's work per round grows with N, not N^2. Why 3: a closer and two
     # backups survive two simultaneous losses without waiting for a new deputy.
     deputies: int = 3
+    # The driver UUIDs of the GPUs this node's workers use (cli/gpus.py), claimed in
+    # etcd before the node announces itself (rendezvous/devices.py); () without GPUs.
+    devices: tuple[str, ...] = ()
 
     @property
     def prefix(self) -> str:

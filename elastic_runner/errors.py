@@ -24,6 +24,11 @@ class DuplicateNodeId(ConfigError):
     """Another live agent of the same run already registered this --node-id (exit 2)."""
 
 
+class DeviceInUse(ConfigError):
+    """A GPU this node's workers would use is held by another live agent of the run
+    (exit 2): two agents on one machine."""
+
+
 class EtcdBinaryNotFound(ElasticRunError):
     """No etcd server binary to start the embedded etcd."""
 

@@ -25,6 +25,7 @@ from elastic_runner.cli.flags import (
     default_run_id, parse_endpoints, parse_label, parse_nodes, parse_nproc, parse_rank0_prefer,
     read_password,
 )
+from elastic_runner.cli.gpus import used_gpus
 from elastic_runner.config import (
     AgentConfig, CloudNoticeConfig, EtcdConfig, RendezvousConfig, WorkerConfig,
 )
@@ -72,7 +73,8 @@ def build_config(args, environ: Mapping[str, str], gpu_count: int) -> AgentConfi
         settle_max_s=settle_cap(args.settle, args.settle_max),
         suspect_grace_s=args.suspect_grace,
         labels=tuple(sorted(parse_label(t, "--node-label") for t in args.node_label)),
-        rank0_prefer=parse_rank0_prefer(args.rank0_prefer))
+        rank0_prefer=parse_rank0_prefer(args.rank0_prefer),
+        devices=used_gpus(environ, nproc))
     if args.max_workers and args.max_workers < max(args.min_workers, nproc):
         raise ConfigError(f"--max-workers {args.max_workers} is below --min-workers or this "
                           f"node's {nproc} worker(s); raise --max-workers")

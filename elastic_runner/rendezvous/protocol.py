@@ -145,6 +145,12 @@ def notice_key(prefix: str, node_id: str) -> str:
     return f"{notice_prefix(prefix)}{node_id}"
 
 
+def device_key(prefix: str, uuid: str) -> str:
+    """A GPU of this run's nodes, by its driver UUID, held under the lease of the node
+    whose workers use it (rendezvous/devices.py: two agents on one machine)."""
+    return f"{prefix}devices/{uuid}"
+
+
 def deputy_prefix(prefix: str) -> str:
     """Lease-bound slots of the agents that watch every key (rendezvous/deputies.py)."""
     return f"{prefix}round/deputy/"

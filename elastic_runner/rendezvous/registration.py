@@ -29,13 +29,13 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
-    DuplicateNodeId, EtcdAuthError, EtcdError, LeaseNotFound, SchemaMismatch, SpecMismatch,
+    DeviceInUse, DuplicateNodeId, EtcdAuthError, EtcdError, LeaseNotFound, SchemaMismatch, SpecMismatch,
 )
 from elastic_runner.etcd.client import (
     Compare, EtcdClient, Get, KeyValue, Nested, Put, TxnResult, key_missing, prefix_empty,
 )
 from elastic_runner.etcd.lease import KeptLease
-from elastic_runner.rendezvous import carried_plan
+from elastic_runner.rendezvous import carried_plan, devices
 from elastic_runner.rendezvous import protocol as p
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,7 @@ def take_lease(client: EtcdClient, config: RendezvousConfig, record: bytes,
     Raises:
         SpecMismatch / SchemaMismatch: the run id belongs to another job.
         DuplicateNodeId: a live agent of this run holds our --node-id.
+        DeviceInUse: a live agent of this run holds a GPU our workers would use.
         LeaseNotFound: every one of `attempts` fresh leases expired before the create.
     """
     retrying = Retrying(retry=retry_if_exception_type(LeaseNotFound),
@@ -209,11 +210,14 @@ def _claim_under(lease: KeptLease, client: EtcdClient, config: RendezvousConfig,
                  record: bytes, also: AlsoOps, spec: p.JobSpec | None,
                  unless_in_place: bool) -> tuple[KeptLease, TxnResult | None]:
     try:
+        # Before the node key: a clash must be refused before the run can see us.
+        devices.claim_devices(client, config, lease.id,
+                              lambda holder: _outlives_lease(client, holder))
         if spec is None:
             return lease, claim(client, config, record, lease.id, also(lease.id))
         return lease, register_node(client, config, spec, record, lease.id, also(lease.id),
                                     unless_in_place=unless_in_place)
-    except (DuplicateNodeId, SpecMismatch, SchemaMismatch):
+    except (DuplicateNodeId, DeviceInUse, SpecMismatch, SchemaMismatch):
         lease.revoke()
         raise
     except EtcdError:

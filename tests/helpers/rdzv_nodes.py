@@ -124,10 +124,10 @@ class Engines:
         self._spec, self._ttl = spec, lease_ttl_s
         self.made: list[EtcdRendezvous] = []
 
-    def make(self, endpoint: str, run: str, node_id: str) -> EtcdRendezvous:
+    def make(self, endpoint: str, run: str, node_id: str, **options) -> EtcdRendezvous:
         client = EtcdClient(EtcdConfig((endpoint,), timeout_s=5.0, retry_deadline_s=10.0))
         config = RendezvousConfig(run, node_id, max_nodes=4, lease_ttl_s=self._ttl,
-                                  settle_s=0.2)
+                                  settle_s=0.2, **options)
         self.made.append(EtcdRendezvous(client, config, self._spec, 0))
         return self.made[-1]
 
