@@ -76,7 +76,9 @@ class Checkpointer(_checkpoint.Checkpointer):
         self._registered: Any = None
         self._last_saved: int | None = None
         self._asks_due = False
+        self._replaced_on: str | None = None  # the folder, once a newer one took it
         if context is not None:
+            _retire_older_on_the_same_folder(context, self)
             context.checkpointers.append(self)
         self._events = _event_log(context)
 
@@ -145,6 +147,14 @@ class Checkpointer(_checkpoint.Checkpointer):
         instead of raising StaleWriterError: a round can close while rank 0 saves the
         step in flight, and the worker outlives its round, so ending it for a durable
         copy its peers still hold in memory would turn a re-formation into a restart."""
+        if self._replaced_on is not None:
+            raise CheckpointError(
+                f"this er.Checkpointer on {self._replaced_on} was replaced by a newer one made "
+                "on the same folder, and saves no more: two Checkpointers on one folder write "
+                "the same step directories, so each save of a step would replace the other's "
+                "(and each one's tidying deletes the other's steps). Save every object through "
+                "one Checkpointer (save(step, {'model': ..., 'ema': ...})), or give each its "
+                "own folder")
         if holds_objects(state_dict):
             self._registered = state_dict
         try:
@@ -264,6 +274,28 @@ def _one_recorded_folder(context: Context, url_or_path: Any,
                 "(save(step, {'model': ..., 'ema': ...})), or give this one a record of its "
                 f"own: er.Checkpointer({os.fspath(url_or_path)!r}, "
                 "latest_store=er.MemoryLatestStore())")
+
+
+def _folder_of(checkpointer: Checkpointer) -> str:
+    storage = checkpointer._storage
+    return os.path.realpath(storage.root) if storage.local else storage.url(storage.root)
+
+
+def _retire_older_on_the_same_folder(context: Context, newer: Checkpointer) -> None:
+    """The newest er.Checkpointer made on a folder is the one that writes there: an
+    older one is closed (its save in flight finished first) and refuses to save again.
+
+    Why: a model's and an EMA's Checkpointer on one folder both wrote step-N, the later
+    replacing the earlier, so the model's step held the EMA's state, and each one's
+    tidying deleted the other's steps. Why not refuse the newer one instead: a script
+    that makes its Checkpointer again (inside train(), called again after each
+    re-formation) never saves through the older one, and must not fail.
+    """
+    folder = _folder_of(newer)
+    for older in [c for c in context.checkpointers if _folder_of(c) == folder]:
+        context.checkpointers.remove(older)
+        older._replaced_on = newer._storage.url(newer._storage.root)
+        older.close()  # an error of its last save is this script's to see, here
 
 
 def _event_log(context: Context | None):

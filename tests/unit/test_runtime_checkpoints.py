@@ -204,3 +204,37 @@ def test_a_second_folder_recording_in_etcd_is_refused_at_construction(tmp_path, 
     again.close()
     job_checkpointer.Checkpointer(tmp_path / "other", rank=0).close()  # the others are closed
     runtime.finish()
+
+
+def test_a_second_checkpointer_on_the_same_folder_retires_the_first(tmp_path, context):
+    """A model's and an EMA's Checkpointer on one folder: before, both wrote step-N, the
+    later replacing the earlier, so the model's step 20 held only the EMA."""
+    folder = tmp_path / "ckpt"
+    model = job_checkpointer.Checkpointer(folder, rank=0)
+    model.save(10, {"model": torch.full((2,), 1.0)})
+    (tmp_path / "link").symlink_to(folder)
+    ema = job_checkpointer.Checkpointer(tmp_path / "link", rank=0)  # the same folder
+    with pytest.raises(CheckpointError) as refused:
+        model.save(20, {"model": torch.full((2,), 2.0)})
+    message = str(refused.value)
+    assert "\n" not in message and "replaced by a newer one made on the same folder" in message
+    assert "save(step, {'model': ..., 'ema': ...})" in message
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step")) == \
+        ["step-00000010"]  # refused before anything was written
+    ema.save(20, {"ema": torch.full((2,), 3.0)})
+    reader = job_checkpointer.Checkpointer(folder, rank=1)  # retires ema, which saves no more
+    assert reader.load_latest()["ema"].tolist() == [3.0, 3.0]
+    assert context.checkpointers == [reader]
+    runtime.finish()
+
+
+def test_a_checkpointer_made_again_on_its_folder_saves_on(tmp_path, context):
+    """A script that makes its Checkpointer again (inside train(), called again after a
+    re-formation) never saves through the older one: nothing fails."""
+    for step in (10, 20, 30):
+        ckpt = job_checkpointer.Checkpointer(tmp_path / "ckpt", rank=0, async_save=True)
+        ckpt.save(step, {"w": torch.full((2,), float(step))})
+    assert len(context.checkpointers) == 1
+    runtime.finish()
+    assert job_checkpointer.Checkpointer(tmp_path / "ckpt", rank=1).load_latest()["w"].tolist() \
+        == [30.0, 30.0]
