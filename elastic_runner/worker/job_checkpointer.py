@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from elastic_runner.contract import CHECKPOINT_RECORD
 from elastic_runner.errors import CheckpointError, StaleWriterError
@@ -175,11 +175,14 @@ class Checkpointer(_checkpoint.Checkpointer):
             exit_for_resize()
         return where
 
-    def restore(self, objects: Mapping[str, Any]) -> int | None:
+    def restore(self, objects: Mapping[str, Any], allow_missing: Iterable[str] = ()
+                ) -> int | None:
         """Load the newest verified checkpoint into `objects` (each entry's
-        load_state_dict) and register them; return its step, or None if there is none."""
+        load_state_dict) and register them; return its step, or None if there is none.
+        `allow_missing`: names of objects new in this script, which the checkpoint may
+        lack (any other it lacks is a CheckpointError, nothing loaded)."""
         self._registered = objects
-        step = super().restore(objects)
+        step = super().restore(objects, allow_missing)
         if self.config.sharded:
             self._emit_loaded()
         return step

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,11 +156,12 @@ class State(Mapping):
             self._mark = self._sampler.state_dict()
 
     # ---- checkpoints ---------------------------------------------------------------
-    def restore(self, ckpt) -> int | None:
+    def restore(self, ckpt, allow_missing: Iterable[str] = ()) -> int | None:
         """Load the newest verified checkpoint of `ckpt` (an er.Checkpointer) into the
         objects, register them for resizes, and return its step (None: there is none,
-        and the objects keep what they hold)."""
-        loaded = ckpt.restore(self._objects)
+        and the objects keep what they hold). `allow_missing`: names of objects new in
+        this script, which the checkpoint may lack (Checkpointer.restore)."""
+        loaded = ckpt.restore(self._objects, allow_missing)
         if loaded is not None:
             self._step = loaded
             self._remember_position()

@@ -39,13 +39,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from elastic_runner.worker.checkpoint.background import BackgroundWriter
-from elastic_runner.worker.checkpoint.objects import check_save_arguments, snapshot
+from elastic_runner.worker.checkpoint.objects import check_save_arguments, load_into, snapshot
 from elastic_runner.worker.checkpoint.latest import (
     NO_CHECKPOINT,
     LatestStore,
@@ -209,21 +209,22 @@ class Checkpointer:
         self._requested.clear()
         return where
 
-    def restore(self, objects: Mapping[str, Any]) -> int | None:
+    def restore(self, objects: Mapping[str, Any], allow_missing: Iterable[str] = ()) -> int | None:
         """Load the newest verified checkpoint into `objects` (each one's
         load_state_dict); return its step, or None if there is none. Both formats:
         sharded, every rank takes part and the shards are resharded to this world.
+        A CheckpointError, with nothing loaded, where it holds nothing for an object not
+        in `allow_missing` (objects.check_names_held says why).
         """
+        allow_missing = tuple(allow_missing)
         if self._sharded is not None:
             if self._writer is not None:  # our own save; its error stays for wait()
                 self._writer.settle()
-            return self._sharded.restore(objects, self.config.weights_only)
+            return self._sharded.restore(objects, self.config.weights_only, allow_missing)
         state = self.load_latest()
-        if state is None:
-            return None
-        for name, target in objects.items():
-            if name in state and hasattr(target, "load_state_dict"):
-                target.load_state_dict(state[name])
+        if state is not None:
+            load_into(objects, state, self._storage.url(self._dir(self.loaded_step)),
+                      self.loaded_step, allow_missing)
         return self.loaded_step
 
     def wait(self) -> None:

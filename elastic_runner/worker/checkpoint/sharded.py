@@ -64,6 +64,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from elastic_runner.errors import CheckpointError, CheckpointWriteError, StaleWriterError
 from elastic_runner.worker.checkpoint import sharded_files as files
 from elastic_runner.worker.checkpoint import sharded_state, verdicts
+from elastic_runner.worker.checkpoint.objects import check_names_held
 from elastic_runner.worker.checkpoint.latest import names_no_checkpoint
 
 log = logging.getLogger("elastic_runner.worker.checkpoint.sharded")
@@ -92,6 +93,13 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
             torch.load(value, weights_only=True)  # raises on anything but plain data
             value.seek(0)
         super().load_bytes(read_item, value)
+
+
+def _unloadable(url: str, exc: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {url} is intact (every file matches its sha256) but does not load "
+        f"into these objects: {exc}. Build the same model and optimizer as the saving "
+        "script (any world size works).")
 
 
 class ShardedFormat:
@@ -214,7 +222,8 @@ class ShardedFormat:
             "checkpoints are intact.")
 
     # ---- restoring ----------------------------------------------------------------------
-    def restore(self, objects: Mapping[str, Any], weights_only: bool) -> int | None:
+    def restore(self, objects: Mapping[str, Any], weights_only: bool,
+                allow_missing: tuple[str, ...] = ()) -> int | None:
         """Every rank: load the newest verified checkpoint into `objects`, resharded."""
         owner = self._owner
         owner.loaded_step, owner._loaded_record = None, None
@@ -231,7 +240,7 @@ class ShardedFormat:
             manifest = self._verify(step, record if recorded else None)
             if manifest is None:
                 continue
-            self._load(step, templates, weights_only)
+            self._load(step, templates, weights_only, allow_missing)
             owner.loaded_step, owner._loaded_record = step, self.record_of(step, manifest)
             owner._verified[step] = manifest["sha256"]
             break
@@ -304,23 +313,25 @@ class ShardedFormat:
             return None, ("skip", str(exc))
         return manifest, None
 
-    def _load(self, step: int, templates: dict[str, Any], weights_only: bool) -> None:
+    def _load(self, step: int, templates: dict[str, Any], weights_only: bool,
+              allow_missing: tuple[str, ...]) -> None:
         storage, directory = self._owner._storage, self._owner._dir(step)
         reader = files.reader_for(storage, directory, self._options)
         try:
             keys = list(reader.read_metadata().state_dict_metadata)
-            present = {name: t for name, t in templates.items()
-                       if any(k == name or k.startswith(f"{name}.") for k in keys)}
-            if len(present) < len(templates) and dist.get_rank() == 0:
-                log.warning("checkpoint %s holds nothing for %s: kept as they are",
-                            storage.url(directory), sorted(set(templates) - set(present)))
+        except Exception as exc:
+            raise _unloadable(storage.url(directory), exc) from exc
+        present = {name: t for name, t in templates.items()
+                   if any(k == name or k.startswith(f"{name}.") for k in keys)}
+        # One metadata, one answer on every rank: all raise, none goes on alone.
+        check_names_held(storage.url(directory), step,
+                         set(present) | {k.split(".", 1)[0] for k in keys}, templates,
+                         allow_missing)
+        try:
             dcp.load(present, storage_reader=reader, planner=_CheckedLoadPlanner(weights_only),
                      process_group=self._group)
         except Exception as exc:
-            raise CheckpointError(
-                f"checkpoint {storage.url(directory)} is intact (every file matches its "
-                f"sha256) but does not load into these objects: {exc}. Build the same "
-                "model and optimizer as the saving script (any world size works).") from exc
+            raise _unloadable(storage.url(directory), exc) from exc
 
     # ---- agreement and retention -----------------------------------------------------------
     def _agree(self, decide: Callable[[], Any]) -> Any:
