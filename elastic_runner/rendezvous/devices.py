@@ -44,14 +44,18 @@ class ThisProcess:
     machine: str  # boot id and pid namespace; "" where /proc does not tell
 
 
-@cache
 def this_process() -> ThisProcess:
+    return ThisProcess(os.getpid(), _machine())  # the pid is read again: a fork changes it
+
+
+@cache
+def _machine() -> str:
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
-        return ThisProcess(os.getpid(), "")
-    return ThisProcess(os.getpid(), f"{boot} {namespace}")
+        return ""
+    return f"{boot} {namespace}"
 
 
 def claim_record(config: RendezvousConfig, me: ThisProcess) -> bytes:

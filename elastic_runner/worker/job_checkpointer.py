@@ -78,8 +78,8 @@ class Checkpointer(_checkpoint.Checkpointer):
         self._asks_due = False
         self._replaced_on: str | None = None  # the folder, once a newer one took it
         if context is not None:
+            context.checkpointers.append(self)  # first: closed at finish() if the next fails
             _retire_older_on_the_same_folder(context, self)
-            context.checkpointers.append(self)
         self._events = _event_log(context)
 
     def rebind(self) -> None:
@@ -269,7 +269,7 @@ def _one_recorded_folder(context: Context, url_or_path: Any,
     mine = storage.url(storage.root)
     for other in recording:
         theirs = other._storage.url(other._storage.root)
-        if theirs != mine:
+        if _folder_of(other._storage) != _folder_of(storage):
             raise CheckpointError(
                 f"this job already records its checkpoints in etcd from {theirs}, and etcd "
                 f"keeps one record of a run's newest checkpoint, so a second er.Checkpointer "
@@ -279,8 +279,8 @@ def _one_recorded_folder(context: Context, url_or_path: Any,
                 "latest_store=er.MemoryLatestStore())")
 
 
-def _folder_of(checkpointer: Checkpointer) -> str:
-    storage = checkpointer._storage
+def _folder_of(storage: Storage) -> str:
+    """One name per folder: a local one through its symlinks."""
     return os.path.realpath(storage.root) if storage.local else storage.url(storage.root)
 
 
@@ -294,8 +294,9 @@ def _retire_older_on_the_same_folder(context: Context, newer: Checkpointer) -> N
     that makes its Checkpointer again (inside train(), called again after each
     re-formation) never saves through the older one, and must not fail.
     """
-    folder = _folder_of(newer)
-    for older in [c for c in context.checkpointers if _folder_of(c) == folder]:
+    folder = _folder_of(newer._storage)
+    for older in [c for c in context.checkpointers
+                  if c is not newer and _folder_of(c._storage) == folder]:
         context.checkpointers.remove(older)
         older._replaced_on = newer._storage.url(newer._storage.root)
         older.close()  # an error of its last save is this script's to see, here
