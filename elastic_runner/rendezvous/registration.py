@@ -29,7 +29,8 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from elastic_runner.config import RendezvousConfig
 from elastic_runner.errors import (
-    DeviceInUse, DuplicateNodeId, EtcdAuthError, EtcdError, LeaseNotFound, SchemaMismatch, SpecMismatch,
+    DeviceInUse, DuplicateNodeId, EtcdAuthError, EtcdError, LeaseNotFound, SchemaMismatch,
+    SpecMismatch,
 )
 from elastic_runner.etcd.client import (
     Compare, EtcdClient, Get, KeyValue, Nested, Put, TxnResult, key_missing, prefix_empty,

@@ -55,7 +55,8 @@ def test_an_object_new_in_the_script_loads_the_rest_when_allowed(tmp_path):
 
 def test_a_checkpoint_of_a_single_tensor_holds_no_objects(tmp_path):
     Checkpointer(tmp_path, rank=0).save(5, torch.ones(3))
-    with pytest.raises(CheckpointError, match="holds nothing for 'model' \\(it holds no objects\\)"):
+    with pytest.raises(CheckpointError,
+                       match="holds nothing for 'model' \\(it holds no objects\\)"):
         Checkpointer(tmp_path, rank=0).restore({"model": module(0)})
 
 
@@ -84,3 +85,12 @@ def test_the_sharded_format_refuses_the_same_on_every_rank(group, tmp_path):  # 
     assert Checkpointer(tmp_path, sharded=True, latest_store=store).restore(
         fresh, allow_missing=["extra"]) == 2
     assert same({k: fresh[k] for k in ("model", "optim", "sampler")}, saved)
+
+
+def test_one_name_given_as_a_string_is_that_name_not_its_letters(tmp_path):
+    Checkpointer(tmp_path, rank=0).save(3, {"model": module(0).state_dict()})
+    assert Checkpointer(tmp_path, rank=0).restore(
+        {"model": module(1), "ema": module(2)}, allow_missing="ema") == 3
+    with pytest.raises(CheckpointError, match="holds nothing for 'ame'"):
+        Checkpointer(tmp_path, rank=0).restore({"model": module(1), "ame": module(2)},
+                                               allow_missing="ema")

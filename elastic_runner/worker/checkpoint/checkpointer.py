@@ -216,7 +216,7 @@ class Checkpointer:
         A CheckpointError, with nothing loaded, where it holds nothing for an object not
         in `allow_missing` (objects.check_names_held says why).
         """
-        allow_missing = tuple(allow_missing)
+        allow_missing = (allow_missing,) if isinstance(allow_missing, str) else tuple(allow_missing)
         if self._sharded is not None:
             if self._writer is not None:  # our own save; its error stays for wait()
                 self._writer.settle()

@@ -43,7 +43,8 @@ def check_names_held(where: str, step: int, held: Iterable[str], wanted: Iterabl
     is new in a script is named in `allow_missing`.
     """
     held = set(held)
-    missing = [name for name in wanted if name not in held and name not in set(allow_missing)]
+    allowed = {allow_missing} if isinstance(allow_missing, str) else set(allow_missing)
+    missing = [name for name in wanted if name not in held and name not in allowed]
     if not missing:
         return
     names = ", ".join(repr(name) for name in missing)
