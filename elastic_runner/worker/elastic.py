@@ -141,7 +141,40 @@ def _run(state: State, call: Callable[[], Any]) -> Any:
     except ShardedStateError as error:
         _keep_restart_path(channel, job, str(error))
         return call()  # never reports: the agent keeps the restart path
+    bound = _wrapped_before_training()
+    if bound is not None:
+        _keep_restart_path(channel, job, bound)
+        return call()
     return Reformer(state, context, channel, job).run(call)
+
+
+def _wrapped_before_training() -> str | None:
+    """Why this worker cannot re-form in place, when the script wrapped a model in
+    DistributedDataParallel before its training function; else None.
+
+    Why: such a DDP stays bound to the first round's process group, which the first
+    re-formation destroys. Measured before this check (examples/train_inproc.py with
+    its DDP moved above `@er.elastic`, a third node joining two): the survivors'
+    backward timed out on the old group, the job re-formed in place four times in
+    40 s, and ended with exit 6 on "DDP expects same model across all ranks". On the
+    restart path every process builds its DDP on its round's group, so the script is
+    correct there, only slower. One scan of the heap, before the first call.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    def count() -> int:
+        return sum(1 for each in gc.get_objects()
+                   if issubclass(type(each), DistributedDataParallel))
+    if not count():
+        return None
+    gc.collect()  # one the script dropped may wait in a reference cycle
+    wrapped = count()
+    if not wrapped:
+        return None
+    return (f"{wrapped} DistributedDataParallel wrapper(s) were built before the training "
+            "function, on a process group that re-forming in place replaces; build DDP inside "
+            "the function decorated with @er.elastic (it is called again after each "
+            "re-formation) to re-form in place")
 
 
 def _keep_restart_path(channel: ReformChannel, job: WorkerEnv, why: str) -> None:

@@ -259,3 +259,41 @@ def _parent(pid: int) -> int:
 def _state(pid: int) -> str:
     """A process's state letter: T when stopped."""
     return stat_fields(pid)[0].decode()
+
+
+def test_ddp_built_before_train_resizes_by_restarting(etcd, tmp_path):
+    """A script that wraps its model in DDP before its @er.elastic function. Before: a
+    node joining two made the survivors' backward time out on the destroyed group, the
+    job re-formed in place again and again and ended with exit 6. Now every worker keeps
+    the restart path (one warning line each), and the join is an ordinary restart."""
+    worker = Path(__file__).resolve().parents[1] / "helpers" / "inproc_worker.py"
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    job = Job(etcd.endpoint, tmp_path, script=worker, nproc=1, lease_ttl=3, settle=0.5,
+              script_args=("--trace-dir", str(traces), "--samples", "2400", "--batch", "12",
+                           "--ddp-before-train"))
+    try:
+        job.start("a", "b")
+
+        def steps():
+            return [row for path in traces.glob("*.jsonl") for row in read_jsonl(path)
+                    if row["kind"] == "step"]
+        job.wait_for(lambda: sum(r["world"] == 2 for r in steps()) >= 6, 90, "world 2")
+        job.start("c")
+        job.wait_for(lambda: sum(r["world"] == 3 for r in steps()) >= 6, 90, "world 3")
+        assert finished(job, "a", "b", "c") == {"a": 0, "b": 0, "c": 0}
+        trace = steps()
+        pids = {world: {r["pid"] for r in trace if r["world"] == world} for world in (2, 3)}
+        assert len(pids[3]) == 3 and not pids[2] & pids[3]  # restarted, not kept
+        newest = collections.defaultdict(int)  # each step counts in its last round
+        for row in trace:
+            newest[row["step"]] = max(newest[row["step"]], row["round"])
+        trained = collections.Counter(i for row in trace if row["round"] == newest[row["step"]]
+                                      for i in row["indices"])
+        assert sorted(trained) == list(range(2400)) and set(trained.values()) == {1}
+        for node in "abc":
+            assert "DistributedDataParallel wrapper(s) were built before the training " \
+                   "function" in job.agent_log(node)
+            assert "re-formed in place" not in job.agent_log(node)
+    finally:
+        job.stop_all()

@@ -41,6 +41,9 @@ def parse_args() -> argparse.Namespace:
                         help="create this file once torch is imported, before er.init()")
     parser.add_argument("--no-sampler", action="store_true",
                         help="no ElasticSampler: the loop counts steps and calls state.commit()")
+    parser.add_argument("--ddp-before-train", action="store_true",
+                        help="wrap the model in DDP before the @er.elastic function (the "
+                             "mistake er.elastic answers with the restart path)")
     return parser.parse_args()
 
 
@@ -79,6 +82,7 @@ def main() -> None:
     ckpt = er.Checkpointer(args.ckpt, every=args.every, latest_store=store) if args.ckpt else None
     if ckpt is not None:
         state.restore(ckpt)
+    early = DDP(model) if args.ddp_before_train else None
 
     @er.elastic(state)
     def train(state):
@@ -86,7 +90,7 @@ def main() -> None:
         log("sync", step=state.step, received=sync.received if sync else None,
             source=sync.source if sync else None,
             receivers=list(sync.receivers) if sync else None, hash=param_hash(model))
-        ddp = DDP(model)
+        ddp = early or DDP(model)
         for step, indices in (counted_steps(state, args) if args.no_sampler else sampler):
             optimizer.zero_grad()
             batch = torch.tensor(indices, dtype=torch.long)
