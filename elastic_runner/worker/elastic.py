@@ -141,40 +141,65 @@ def _run(state: State, call: Callable[[], Any]) -> Any:
     except ShardedStateError as error:
         _keep_restart_path(channel, job, str(error))
         return call()  # never reports: the agent keeps the restart path
-    bound = _wrapped_before_training()
+    bound = _bound_before_training(context)
     if bound is not None:
         _keep_restart_path(channel, job, bound)
         return call()
     return Reformer(state, context, channel, job).run(call)
 
 
-def _wrapped_before_training() -> str | None:
-    """Why this worker cannot re-form in place, when the script wrapped a model in
-    DistributedDataParallel before its training function; else None.
+def _bound_before_training(context: runtime.Context) -> str | None:
+    """Why this worker cannot re-form in place, when the script made something bound
+    to the first round's process groups before its training function: a
+    DistributedDataParallel wrapper, or a group of its own (dist.new_group, a
+    DeviceMesh's). Else None.
 
-    Why: such a DDP stays bound to the first round's process group, which the first
-    re-formation destroys. Measured before this check (examples/train_inproc.py with
-    its DDP moved above `@er.elastic`, a third node joining two): the survivors'
-    backward timed out on the old group, the job re-formed in place four times in
-    40 s, and ended with exit 6 on "DDP expects same model across all ranks". On the
-    restart path every process builds its DDP on its round's group, so the script is
-    correct there, only slower. One scan of the heap, before the first call.
+    Why: the first re-formation destroys those groups, and the script keeps using
+    them. Measured before this check (examples/train_inproc.py with its DDP, or a
+    side group for its all-reduce, made above `@er.elastic`; a third node joining
+    two): the survivors' collectives timed out on the old group, the job re-formed in
+    place again and again and ended with exit 6 (on "DDP expects same model across all
+    ranks" for the DDP). On the restart path every process makes them on its own
+    round's group, so the script is correct there, only slower. One scan of the heap
+    before the first call: 35 ms at 170,000 objects.
     """
+    wrapped, groups = _ddp_wrappers(), _groups_of_the_script(context)
+    if not wrapped and not groups:
+        return None
+    made = " and ".join(part for part in (
+        f"{wrapped} DistributedDataParallel wrapper(s)" if wrapped else "",
+        f"{groups} process group(s) of its own" if groups else "") if part)
+    return (f"the script made {made} before the training function, bound to process groups "
+            "that re-forming in place replaces; make them inside the function decorated with "
+            "@er.elastic (it is called again after each re-formation) to re-form in place")
+
+
+def _ddp_wrappers() -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     def count() -> int:
         return sum(1 for each in gc.get_objects()
                    if issubclass(type(each), DistributedDataParallel))
     if not count():
-        return None
+        return 0
     gc.collect()  # one the script dropped may wait in a reference cycle
-    wrapped = count()
-    if not wrapped:
-        return None
-    return (f"{wrapped} DistributedDataParallel wrapper(s) were built before the training "
-            "function, on a process group that re-forming in place replaces; build DDP inside "
-            "the function decorated with @er.elastic (it is called again after each "
-            "re-formation) to re-form in place")
+    return count()
+
+
+def _groups_of_the_script(context: runtime.Context) -> int:
+    """Process groups besides the default one and the runtime's own (the step
+    boundary's, a sharded Checkpointer's)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    # torch 2.13: every live group is a key of distributed_c10d._world.pg_map.
+    registry = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    if not dist.is_initialized() or not isinstance(registry, dict):
+        return 0
+    ours = {dist.group.WORLD, getattr(context.boundary, "_group", None),
+            *(getattr(getattr(each, "_sharded", None), "_group", None)
+              for each in context.checkpointers)}
+    return sum(1 for group in registry if group not in ours)
 
 
 def _keep_restart_path(channel: ReformChannel, job: WorkerEnv, why: str) -> None:

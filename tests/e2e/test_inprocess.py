@@ -292,8 +292,8 @@ def test_ddp_built_before_train_resizes_by_restarting(etcd, tmp_path):
                                       for i in row["indices"])
         assert sorted(trained) == list(range(2400)) and set(trained.values()) == {1}
         for node in "abc":
-            assert "DistributedDataParallel wrapper(s) were built before the training " \
-                   "function" in job.agent_log(node)
+            assert "the script made 1 DistributedDataParallel wrapper(s) before the " \
+                   "training function" in job.agent_log(node)
             assert "re-formed in place" not in job.agent_log(node)
     finally:
         job.stop_all()

@@ -54,10 +54,48 @@ def test_ddp_built_before_the_training_function_keeps_the_restart_path(channel, 
     with caplog.at_level(logging.WARNING, logger="elastic_runner.worker.elastic"):
         assert train() == "trained"
     assert channel.states() == {}  # never told its agent it can re-form in place
-    lines = [r.getMessage() for r in caplog.records if "DistributedDataParallel" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records
+             if "DistributedDataParallel" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0], lines
-    assert "1 DistributedDataParallel wrapper(s) were built before the training function" \
-        in lines[0] and "this worker keeps the restart path" in lines[0]
+    assert "the script made 1 DistributedDataParallel wrapper(s) before the training " \
+           "function" in lines[0] and "this worker keeps the restart path" in lines[0]
+
+
+def test_a_group_of_its_own_made_before_the_training_function_keeps_the_restart_path(
+        channel, caplog):
+    import torch.distributed as dist
+
+    side = dist.new_group(backend="gloo")
+    state = er.State(model=torch.nn.Linear(3, 1))
+
+    @er.elastic(state)
+    def train(state):
+        dist.all_reduce(torch.ones(1), group=side)
+        return "trained"
+
+    with caplog.at_level(logging.WARNING, logger="elastic_runner.worker.elastic"):
+        assert train() == "trained"
+    assert channel.states() == {}
+    assert "the script made 1 process group(s) of its own before the training function" \
+        in caplog.text
+    dist.destroy_process_group(side)
+
+
+def test_the_runtimes_own_groups_are_not_the_scripts(channel):
+    """The step boundary's group (made at a first boundary, which a world of one never
+    needs: set here as the runtime would)."""
+    import torch.distributed as dist
+
+    boundary = er.current().boundary
+    boundary._group = dist.new_group(backend="gloo")
+    state = er.State(model=torch.nn.Linear(3, 1))
+
+    @er.elastic(state)
+    def train(state):
+        return "trained"
+
+    assert train() == "trained"
+    assert channel.states()[0].phase == TRAINING
 
 
 def test_ddp_built_inside_the_training_function_re_forms_in_place(channel, caplog):
