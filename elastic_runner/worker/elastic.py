@@ -231,6 +231,7 @@ class Reformer:
                                      else assignment_timeout_s)
         self._failed_at: tuple[int, int] = (-2, 0)  # (step, consecutive failures there)
         self._frozen = False  # gc.freeze() done (_freeze_survivors)
+        self._sampler_warned = False
         # er.init(defer_group=True) on a member node: until its first group formed, a
         # group waits for every member's script to reach its training function, not
         # for paused peers.
@@ -279,6 +280,7 @@ class Reformer:
     def _reform(self, reason: str) -> None:
         log.warning("round %d ends for rank %d after step %d (%s); re-forming in place",
                     self.context.round, self.context.rank, self.state.step, reason)
+        self._check_sampler_kept()
         self._refuse_sharded(reason)
         self._leave_group(cut=reason.startswith(COLLECTIVE_ERROR))
         self._report(PAUSED, reason)
@@ -296,6 +298,23 @@ class Reformer:
                 leave(assignment)
             if self._join(assignment):
                 return
+
+    def _check_sampler_kept(self) -> None:
+        """Say once when the sampler of the training loop is not the State's.
+
+        Why: the State keeps, rolls back and sends to new ranks only what it holds. A
+        sampler left out (er.State(model=..., optimizer=...)) or made anew inside the
+        training function starts new ranks (or every rank, made anew) at the start of
+        its epoch: samples trained twice, others skipped, and nothing else says so.
+        """
+        driving = self.context.boundary.sampler
+        if driving is None or driving is self.state.sampler or self._sampler_warned:
+            return
+        self._sampler_warned = True
+        log.warning("the ElasticSampler of the training loop is not the one in er.State, so "
+                    "its data position is not kept through this re-formation nor sent to new "
+                    "ranks (samples are trained twice or skipped): make it once, before the "
+                    "training function, and pass it as er.State(sampler=...)")
 
     def _refuse_sharded(self, reason: str) -> None:
         """A sharded State cannot be kept: the restart path takes over. After an asked

@@ -287,9 +287,9 @@ def current() -> Context | None:
     return _active[0] if _active else None
 
 
-def sampler_drives_boundaries() -> None:
-    """An ElasticSampler starts a loop: this process's step boundaries are its, from the
-    first step of the round on (sampler.py says why that matters).
+def sampler_drives_boundaries(sampler: Any = None) -> None:
+    """`sampler` (an ElasticSampler) starts a loop: this process's step boundaries are
+    its, from the first step of the round on (sampler.py says why that matters).
 
     Raises:
         NoPlaceYet: this worker has no place yet (standby, or its group deferred):
@@ -306,6 +306,7 @@ def sampler_drives_boundaries() -> None:
                          "or started on standby), so it cannot train outside its "
                          "@er.elastic function: start the sampler's loop inside it")
     context.boundary.active = True
+    context.boundary.sampler = sampler  # er.elastic checks it is the State's (elastic.py)
 
 
 def at_step_boundary(step: int, samples: int) -> None:

@@ -171,7 +171,7 @@ class ElasticSampler:
 
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
         self._follow_world()  # a re-formed group: the same position, split anew
-        _boundaries_from_here()
+        _boundaries_from_here(self)
         epoch = self._epoch
         # Re-read the state every step so load_state_dict/set_epoch called
         # during the loop take effect; a new epoch ends this loop.
@@ -286,7 +286,7 @@ class ElasticSampler:
         return self._perm[1]
 
 
-def _boundaries_from_here() -> None:
+def _boundaries_from_here(sampler: "ElasticSampler") -> None:
     """This loop will report every step's end: tell the runtime before the first step.
 
     Why: until a round's first boundary, Checkpointer.due() cannot tell a script with
@@ -297,7 +297,7 @@ def _boundaries_from_here() -> None:
     """
     runtime = sys.modules.get("elastic_runner.worker.runtime")
     if runtime is not None:
-        runtime.sampler_drives_boundaries()
+        runtime.sampler_drives_boundaries(sampler)
 
 
 def _step_boundary(step: int, samples: int) -> None:

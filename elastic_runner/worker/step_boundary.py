@@ -83,6 +83,7 @@ class StepBoundary:
         if progress_dir:
             self._writer = ProgressWriter(progress_file(Path(progress_dir), rank))
         self.active = False  # a sampler's loop reports this round's step boundaries
+        self.sampler: Any = None  # the ElasticSampler whose loop that is
         self.due_driven = False  # Checkpointer.due() agrees on stops (no sampler)
         self.user_reports = False  # er.report() gives the numbers; we only add flags
         self._samples = 0

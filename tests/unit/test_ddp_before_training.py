@@ -1,10 +1,12 @@
-"""A script that wraps its model in DDP before its @er.elastic function.
+"""What a script holds outside its @er.elastic function that re-forming in place breaks.
 
-Such a DDP stays bound to the first round's process group, which re-forming in place
-destroys. Before: a node joining two made the survivors' backward time out on the old
-group, the job re-formed in place four times in 40 s and ended with exit 6 ("DDP
-expects same model across all ranks"). Now the worker keeps the restart path, where
-every process builds its DDP on its own round's group, and says so in one line.
+A DDP wrapper or a group of its own made before the function stays bound to the first
+round's process group, which re-forming in place destroys. Before: a node joining two
+made the survivors' collectives time out on the old group, the job re-formed in place
+four times in 40 s and ended with exit 6 ("DDP expects same model across all ranks").
+Now the worker keeps the restart path, where every process makes them on its own
+round's group, and says so in one line. A loop's sampler that is not the State's is
+named at the first re-formation (its position is not kept).
 
 In this process: a worker of round 0, world 1, under elastic-run (a real gloo group).
 """
@@ -12,6 +14,7 @@ In this process: a worker of round 0, world 1, under elastic-run (a real gloo gr
 from __future__ import annotations
 
 import logging
+import os
 import socket
 
 import pytest
@@ -21,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import elastic_runner as er
 from elastic_runner.contract import WorkerEnv
 from elastic_runner.reform import TRAINING, ReformChannel
+from elastic_runner.worker.elastic import Reformer
 
 
 def free_port() -> int:
@@ -111,3 +115,28 @@ def test_ddp_built_inside_the_training_function_re_forms_in_place(channel, caplo
         assert train() == "trained"
     assert channel.states()[0].phase == TRAINING  # the agent learns it can re-form in place
     assert not [r for r in caplog.records if "DistributedDataParallel" in r.getMessage()]
+
+
+def test_a_loop_sampler_outside_the_state_is_named_once_at_a_re_formation(channel, caplog):
+    """er.State(model=...) with the ElasticSampler left out: its position is neither kept
+    nor sent to new ranks, so a re-formation trains samples twice; before, in silence."""
+    outside = er.ElasticSampler(8, global_batch_size=2)
+    kept = er.ElasticSampler(8, global_batch_size=2)
+    context = er.current()
+    reformer = Reformer(er.State(model=torch.nn.Linear(3, 1), sampler=kept), context,
+                        channel, WorkerEnv.from_env(os.environ))
+    with caplog.at_level(logging.WARNING, logger="elastic_runner.worker.elastic"):
+        context.boundary.sampler = kept
+        reformer._check_sampler_kept()
+        assert not caplog.records  # the State's own sampler
+        for _ in range(2):
+            context.boundary.sampler = outside
+            reformer._check_sampler_kept()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "is not the one in er.State" in line and "er.State(sampler=...)" in line
+
+
+def test_the_sampler_loop_tells_the_runtime_which_sampler_it_is(channel):
+    sampler = er.ElasticSampler(8, global_batch_size=2)
+    next(iter(sampler))
+    assert er.current().boundary.sampler is sampler
