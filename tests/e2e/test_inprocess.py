@@ -297,3 +297,32 @@ def test_ddp_built_before_train_resizes_by_restarting(etcd, tmp_path):
             assert "re-formed in place" not in job.agent_log(node)
     finally:
         job.stop_all()
+
+
+def test_a_loop_sampler_left_out_of_the_state_is_named_at_the_first_re_formation(
+        etcd, tmp_path):
+    """er.State(model=..., optimizer=...) while the loop runs an ElasticSampler: the
+    State cannot keep or send its position, so a newcomer starts at the beginning of
+    the epoch. Before, nothing said so; now each survivor's first re-formation does,
+    once. (Only the line is asserted: the ranks' loops disagree after it.)"""
+    worker = Path(__file__).resolve().parents[1] / "helpers" / "inproc_worker.py"
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    job = Job(etcd.endpoint, tmp_path, script=worker, nproc=1, lease_ttl=3, settle=0.5,
+              script_args=("--trace-dir", str(traces), "--samples", "2400", "--batch", "12",
+                           "--sampler-outside-state", "--hold-at", "6",
+                           "--release", str(tmp_path / "release")))
+    warning = "the ElasticSampler of the training loop is not the one in er.State"
+    try:
+        job.start("a", "b")  # held at step 6 until c is ready to join
+        job.wait_for(lambda: sum(row["kind"] == "held" for path in traces.glob("*.jsonl")
+                                 for row in read_jsonl(path)) == 2, 90, "world 2 held")
+        job.start("c")
+        job.wait_for(lambda: "joining the run" in job.agent_log("c"), 90, "c ready")
+        assert warning not in job.agent_log("a") + job.agent_log("b")
+        (tmp_path / "release").touch()
+        job.wait_for(lambda: all(warning in job.agent_log(node) for node in "ab"), 90,
+                     "the survivors' warning")
+        assert all(job.agent_log(node).count(warning) == 1 for node in "ab")
+    finally:
+        job.stop_all()

@@ -41,6 +41,9 @@ def parse_args() -> argparse.Namespace:
                         help="create this file once torch is imported, before er.init()")
     parser.add_argument("--no-sampler", action="store_true",
                         help="no ElasticSampler: the loop counts steps and calls state.commit()")
+    parser.add_argument("--sampler-outside-state", action="store_true",
+                        help="er.State without the loop's sampler (the mistake the first "
+                             "re-formation names)")
     parser.add_argument("--ddp-before-train", action="store_true",
                         help="wrap the model in DDP before the @er.elastic function (the "
                              "mistake er.elastic answers with the restart path)")
@@ -74,7 +77,7 @@ def main() -> None:
     model = torch.nn.Linear(8, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sampler = er.ElasticSampler(args.samples, global_batch_size=args.batch, seed=3)
-    if args.no_sampler:
+    if args.no_sampler or args.sampler_outside_state:
         state = er.State(model=model, optimizer=optimizer)
     else:
         state = er.State(model=model, optimizer=optimizer, sampler=sampler)
