@@ -32,6 +32,7 @@ from elastic_runner.etcd.client import (
 )
 from elastic_runner.etcd.values import MAX_TXN_OPS
 from elastic_runner.rendezvous import protocol as p
+from elastic_runner.rendezvous.holders import holder_record, printable, who
 
 CLAIM_ATTEMPTS = 4
 
@@ -105,7 +106,7 @@ def claim_devices(client: EtcdClient, config: RendezvousConfig, lease_id: int,
 def _left_behind(holder: KeyValue, me: ThisProcess, node_id: str) -> bool:
     """Whether `holder` was claimed on this machine by a process that is gone, or by
     this very agent under a lease it lost: then nobody uses the GPU through it."""
-    record = _record(holder)
+    record = holder_record(holder)
     pid = record.get("pid")
     if not me.machine or record.get("machine") != me.machine or not isinstance(pid, int):
         return False
@@ -124,27 +125,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _record(kv: KeyValue | None) -> dict:
-    try:
-        record = json.loads(kv.value) if kv is not None else {}
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
 def in_use_message(config: RendezvousConfig, holder: KeyValue | None) -> str:
     """One line: which GPU, who holds it, and what to do."""
-    record = _record(holder)
+    record = holder_record(holder)
     uuid = p.node_id_from_key(holder.key) if holder is not None else "?"
-    who = ", ".join(f"{label} {_printable(record[field])}" for field, label in
-                    (("hostname", "host"), ("pid", "pid")) if record.get(field) not in (None, ""))
-    node = _printable(record.get("node_id", "?"))
+    held_by = who(record, (("hostname", "host"), ("pid", "pid")))
+    node = printable(record.get("node_id", "?"))
     return (f"GPU {uuid} is already used by node '{node}' of run {config.run_id!r}"
-            f"{f' ({who})' if who else ''}: two agents on one machine would put two workers "
-            "on one GPU, and NCCL would end the running job for it. Stop that agent first, "
+            f"{f' ({held_by})' if held_by else ''}: two agents on one machine would put two "
+            "workers on one GPU, and NCCL would end the running job for it. Stop that agent first, "
             "or give each agent its own GPUs with CUDA_VISIBLE_DEVICES")
-
-
-def _printable(value: object) -> str:
-    """A field another agent wrote, safe inside our one line (no newline to forge one)."""
-    return "".join(ch if ch.isprintable() else "?" for ch in str(value))[:100]

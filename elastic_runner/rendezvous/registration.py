@@ -38,6 +38,7 @@ from elastic_runner.etcd.client import (
 from elastic_runner.etcd.lease import KeptLease
 from elastic_runner.rendezvous import carried_plan, devices
 from elastic_runner.rendezvous import protocol as p
+from elastic_runner.rendezvous.holders import holder_record, who
 
 log = logging.getLogger(__name__)
 
@@ -340,15 +341,9 @@ def _outlives_lease(client: EtcdClient, holder: KeyValue) -> bool:
 
 def duplicate_message(config: RendezvousConfig, holder: KeyValue | None) -> str:
     """One line: which id, who holds it (from its record), and what to do."""
-    try:
-        record = json.loads(holder.value) if holder is not None else {}
-    except ValueError:
-        record = {}
-    record = record if isinstance(record, dict) else {}
-    who = ", ".join(f"{label} {record[field]}" for field, label in
-                    (("addr", "addr"), ("hostname", "host"), ("pid", "pid"))
-                    if record.get(field) not in (None, ""))
-    who = f"{who}; " if who else ""
+    held_by = who(holder_record(holder),
+                  (("addr", "addr"), ("hostname", "host"), ("pid", "pid")))
+    held_by = f"{held_by}; " if held_by else ""
     return (f"node id {config.node_id!r} is already registered by a live agent of run "
-            f"{config.run_id!r} ({who}its lease stayed alive past its TTL); give this node "
+            f"{config.run_id!r} ({held_by}its lease stayed alive past its TTL); give this node "
             "another --node-id, or stop that agent first")

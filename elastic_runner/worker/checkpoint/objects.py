@@ -42,8 +42,7 @@ def check_names_held(where: str, step: int, held: Iterable[str], wanted: Iterabl
     and the next saves, kept `keep` at a time, deleted the trained ones. An object that
     is new in a script is named in `allow_missing`.
     """
-    held = set(held)
-    allowed = {allow_missing} if isinstance(allow_missing, str) else set(allow_missing)
+    held, allowed = set(held), set(allow_missing)  # one name alone: Checkpointer.restore
     missing = [name for name in wanted if name not in held and name not in allowed]
     if not missing:
         return
