@@ -407,7 +407,7 @@ class Reformer:
                                         timeout=datetime.timedelta(seconds=init_timeout_s))
         except Exception as error:  # noqa: BLE001 - every way of failing is told to the agent
             first_line = collective_failure(error)
-            if first_line is None:
+            if first_line is None or formation.port_taken(error, assignment.rank):
                 self._fail(f"cannot join round {assignment.round}: {error}".splitlines()[0])
             self._move(assignment)
             leave_process_group(log)

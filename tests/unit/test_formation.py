@@ -26,3 +26,39 @@ def test_gloo_groups_are_formed_with_a_fifth_of_the_formation_timeout(backend, f
     assert got == pytest.approx(init_s)
     if "gloo" in backend and formation_s / formation.GLOO_CONNECT_FACTOR >= 1.0:
         assert got * formation.GLOO_CONNECT_FACTOR == pytest.approx(formation_s)
+
+
+def test_rank_0_unable_to_open_the_store_port_fails_its_re_formation_instead_of_retrying():
+    """EADDRINUSE on rank 0's store says nothing about the peers: re-forming in place
+    again fails the same way (900 rounds in 90 s, seen), so the worker gives up its
+    re-formation and the agent's restart path frees the port."""
+    from torch.distributed import DistNetworkError
+
+    taken = DistNetworkError("The server socket has failed to listen on any local network "
+                             "address. port: 29500, useIpv6: false, code: -98, name: "
+                             "EADDRINUSE, message: address already in use")
+    assert formation.port_taken(taken, rank=0)
+    assert not formation.port_taken(taken, rank=1)  # a client does not bind
+    assert not formation.port_taken(DistNetworkError("Connection reset by peer"), rank=0)
+
+
+def test_each_round_has_its_own_keys_in_a_store_kept_on_one_port():
+    """A fixed --master-port: the kept rank 0's multi-tenant TCPStore is the last round's
+    server, keys included; the round's prefix keeps gloo from reading old addresses."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from elastic_runner.etcd.server import free_port
+
+    port = free_port()
+    opened = []
+    for round_number in (4, 5):
+        place = formation.Place(round_number, 0, 1, "127.0.0.1", port)
+        store = formation.meet(place, 5.0, lambda: False)
+        opened.append(store)
+        assert not store.check(["0//cpu//0/0"])  # round 5: round 4's key, before
+        store.set("0//cpu//0/0", f"address of round {round_number}")
+    raw = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    assert raw.get("default_pg/round-4/0//cpu//0/0") == b"address of round 4"
+    assert raw.get("default_pg/round-5/0//cpu//0/0") == b"address of round 5"
