@@ -119,6 +119,12 @@ class NoPlaceYet(ElasticRunError):
     by er.init(defer_group=True)) began to train outside its @er.elastic function."""
 
 
+class SamplerDrawnAhead(ElasticRunError):
+    """An ElasticSampler is iterated ahead of training (a DataLoader's worker processes
+    prefetching its batches) or inside a DataLoader worker: the position a checkpoint
+    saves would not be the batches trained (er.ElasticDataLoader is the way)."""
+
+
 class ShutdownRequested(ElasticRunError):
     """SIGTERM/SIGINT reached the agent; not a failure of the job."""
 

@@ -52,7 +52,42 @@ def parse_args() -> argparse.Namespace:
                              "first called, so changes while the workers start cost nothing")
     parser.add_argument("--boot-delay", type=float, default=0.0,
                         help="sleep before train(), as a model that takes long to build")
+    parser.add_argument("--loader-workers", type=int, default=0,
+                        help="load batches through er.ElasticDataLoader with this many "
+                             "worker processes (0: index the tensors in the loop)")
     return parser.parse_args()
+
+
+class Samples(torch.utils.data.Dataset):
+    """Sample i: (i, input, target). A real dataset reads and decodes here, in the
+    loader's worker processes."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, index):
+        return index, self.inputs[index], self.targets[index]
+
+
+def batches(sampler, loader, inputs, targets):
+    """(step, indices, inputs, targets) of each step. Through er.ElasticDataLoader the
+    sampler's position counts only the batches this loop received, however many its
+    workers loaded ahead; a torch DataLoader over the sampler would count those too
+    (er.ElasticSampler refuses that)."""
+    if loader is not None:
+        for step, batch in loader:
+            if batch is None:  # this rank's share of the epoch's last batch is empty
+                yield step, [], None, None
+                continue
+            indices, x, y = batch
+            yield step, indices.tolist(), x, y
+        return
+    for step, indices in sampler:
+        index = torch.tensor(indices, dtype=torch.long)
+        yield step, indices, inputs[index], targets[index]
 
 
 def checksum(model: torch.nn.Module) -> float:
@@ -70,6 +105,8 @@ def main() -> None:
     state = er.State(model=model, optimizer=optimizer, sampler=sampler)
     ckpt = er.Checkpointer(args.checkpoint_dir, keep=3, every=args.every)
     state.restore(ckpt)
+    loader = er.ElasticDataLoader(Samples(inputs, targets), sampler,
+                                  num_workers=args.loader_workers) if args.loader_workers else None
     trace = open(args.trace, "a", buffering=1) if args.trace else None
     if args.boot_delay:  # a model that takes long to build: the script is still starting
         if trace:
@@ -82,16 +119,14 @@ def main() -> None:
         ctx = er.current()
         for epoch in range(sampler.epoch, args.epochs):
             sampler.set_epoch(epoch)
-            for step, indices in sampler:
+            for step, indices, x, y in batches(sampler, loader, inputs, targets):
                 if trace:
                     trace.write(json.dumps({
                         "began": step, "rank": ctx.rank, "round": ctx.round,
                         "pid": os.getpid(), "epoch": epoch, "indices": indices}) + "\n")
                 optimizer.zero_grad()
-                batch = torch.tensor(indices, dtype=torch.long)
-                loss_sum = torch.nn.functional.mse_loss(
-                    model(inputs[batch]), targets[batch], reduction="sum") if indices else \
-                    sum(p.sum() * 0 for p in model.parameters())
+                loss_sum = torch.nn.functional.mse_loss(model(x), y, reduction="sum") \
+                    if indices else sum(p.sum() * 0 for p in model.parameters())
                 (loss_sum / sampler.batch_plan.global_batch).backward()
                 for param in model.parameters():
                     if ctx.world_size > 1:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from elastic_runner.errors import SamplerDrawnAhead
 from elastic_runner.worker.scaling import BatchPlan, BatchPolicy, parse_policy, plan_batch
 
 STATE_VERSION = 1
@@ -170,6 +172,7 @@ class ElasticSampler:
         return full if self._drop_last or partial == 0 else full + 1
 
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+        _refuse_drawing_ahead()
         self._follow_world()  # a re-formed group: the same position, split anew
         _boundaries_from_here(self)
         epoch = self._epoch
@@ -265,25 +268,99 @@ class ElasticSampler:
             self._plan = plan_batch(self._policy, world_size, rank)
 
     def _next_batch_len(self) -> int:
-        left = self.remaining
-        if left >= self._plan.global_batch:
-            return self._plan.global_batch
+        return self._batch_len_at(self._consumed, self._plan)
+
+    def _batch_len_at(self, consumed: int, plan: BatchPlan) -> int:
+        left = self._num_samples - consumed
+        if left >= plan.global_batch:
+            return plan.global_batch
         return 0 if self._drop_last else left
 
     def _take(self, batch_len: int) -> tuple[int, list[int]]:
-        offset, length = self._plan.rank_slice(batch_len)
-        start = self._consumed + offset
-        indices = self._permutation()[start:start + length]
+        indices = self._share_at(self._epoch, self._consumed, batch_len, self._plan)
         self._consumed += batch_len
         self._step += 1
         return self._step, indices
 
-    def _permutation(self) -> list[int]:
-        if self._perm is None or self._perm[0] != self._epoch:
-            order = epoch_permutation(self._num_samples, self._seed,
-                                      self._epoch, self._shuffle)
-            self._perm = (self._epoch, order)
+    def _share_at(self, epoch: int, consumed: int, batch_len: int,
+                  plan: BatchPlan) -> list[int]:
+        offset, length = plan.rank_slice(batch_len)
+        start = consumed + offset
+        return self._permutation(epoch)[start:start + length]
+
+    def _batches_ahead(self) -> Iterator[PlannedBatch]:
+        """The rest of this epoch from the current position, without moving it: what a
+        loader with worker processes loads ahead (data_loader.py). Each batch records
+        where the sampler must stand for it to be the next step (`_commit`)."""
+        epoch, consumed, plan = self._epoch, self._consumed, self._plan
+        while (length := self._batch_len_at(consumed, plan)) > 0:
+            yield PlannedBatch(epoch, consumed, length, plan,
+                               self._share_at(epoch, consumed, length, plan))
+            consumed += length
+
+    def _commit(self, planned: PlannedBatch) -> int | None:
+        """Take a batch drawn ahead as the next step; None when the position moved since
+        it was drawn (load_state_dict, set_epoch, a new world), which makes it stale."""
+        if (planned.epoch, planned.consumed, planned.plan) != (
+                self._epoch, self._consumed, self._plan):
+            return None
+        self._consumed += planned.length
+        self._step += 1
+        return self._step
+
+    def _permutation(self, epoch: int | None = None) -> list[int]:
+        epoch = self._epoch if epoch is None else epoch
+        if self._perm is None or self._perm[0] != epoch:
+            order = epoch_permutation(self._num_samples, self._seed, epoch, self._shuffle)
+            self._perm = (epoch, order)
         return self._perm[1]
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    """One step's batch drawn ahead of the loop: this rank's indices, and the position
+    (epoch, samples consumed before it, the world's plan) it was drawn from."""
+
+    epoch: int
+    consumed: int
+    length: int  # samples of the global batch, all ranks together
+    plan: BatchPlan
+    indices: list[int]
+
+
+def _refuse_drawing_ahead() -> None:
+    """Refuse a loop that takes batches before it trains them.
+
+    Why: the position advances when a batch is handed out, and is what checkpoints
+    save and resizes agree on. A torch DataLoader with worker processes draws
+    prefetch_factor x num_workers batches ahead (its iterator's `_reset` fills the
+    queue through `_try_put_index` -> `_next_index`), so a checkpoint then counts
+    batches not yet trained, and a resume skipped them: 128 of 640 samples with 2
+    workers, measured. A sampler iterated inside a worker process advances a copy the
+    checkpoint never sees. Both were silent; er.ElasticDataLoader loads ahead and
+    counts only what reached the loop.
+    """
+    data = sys.modules.get("torch.utils.data")
+    if data is None:
+        return
+    if data.get_worker_info() is not None:
+        raise SamplerDrawnAhead(
+            "an ElasticSampler is iterated inside a DataLoader worker process: its "
+            "position there is a copy that checkpoints and resizes never see, so a resume "
+            "repeats every sample; iterate it in the training loop, or load through "
+            "er.ElasticDataLoader(dataset, sampler, num_workers=...)")
+    frame = sys._getframe(2)  # the caller of the generator's next()
+    for _ in range(4):
+        if frame is None:
+            return
+        loader = frame.f_locals.get("self") if frame.f_code.co_name == "_next_index" else None
+        if getattr(loader, "_num_workers", 0) > 0:
+            raise SamplerDrawnAhead(
+                f"an ElasticSampler drives a DataLoader with {loader._num_workers} worker "
+                f"processes, which draws batches ahead of training: checkpoints would "
+                f"count batches not yet trained and a resume would skip them; use "
+                f"er.ElasticDataLoader(dataset, sampler, num_workers=...) instead")
+        frame = frame.f_back
 
 
 def _boundaries_from_here(sampler: "ElasticSampler") -> None:

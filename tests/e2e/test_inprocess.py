@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from elastic_runner._process import process_tree, stat_fields
+from elastic_runner.etcd.server import free_port
 from tests.e2e.harness import Job, read_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -324,5 +325,61 @@ def test_a_loop_sampler_left_out_of_the_state_is_named_at_the_first_re_formation
         job.wait_for(lambda: all(warning in job.agent_log(node) for node in "ab"), 90,
                      "the survivors' warning")
         assert all(job.agent_log(node).count(warning) == 1 for node in "ab")
+    finally:
+        job.stop_all()
+
+
+@pytest.mark.parametrize("loading, fixed_port", [
+    (("--loader-workers", "-1"), True),
+    (("--loader-workers", "2"), False),
+    (("--loader-workers", "2", "--persistent-loader"), True),
+], ids=["sampler-fixed-master-port", "loader-workers", "persistent-loader-fixed-master-port"])
+def test_a_join_in_place_trains_every_sample_once_however_batches_are_loaded(
+        etcd, tmp_path, loading, fixed_port):
+    """Survivors pause at the boundary after the step they trained, keep their
+    processes, and the newcomer receives the position of that step; every sample of the
+    epoch is trained exactly once across the join.
+
+    - er.ElasticDataLoader with two worker processes per rank: the boundary is not a
+      step its workers loaded ahead (a torch DataLoader over the sampler skipped 48
+      samples here, 4 steps of 12).
+    - A fixed --master-port: rank 0 reopens the round's store on the last one's port
+      (before: the new group read the last round's gloo addresses, and re-formed
+      without end: 900 rounds in 90 s).
+    - Both, with the loader's workers persistent: they were forked while the store
+      listened and must not keep its port."""
+    worker = Path(__file__).resolve().parents[1] / "helpers" / "inproc_worker.py"
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    job = Job(etcd.endpoint, tmp_path, script=worker, nproc=1, lease_ttl=3, settle=0.5,
+              script_args=("--trace-dir", str(traces), "--samples", "2400", "--batch", "12",
+                           *loading, "--hold-at", "6", "--release", str(tmp_path / "release")))
+    ports = {"master_port": free_port()} if fixed_port else {}
+
+    def steps():
+        return [row for path in traces.glob("*.jsonl") for row in read_jsonl(path)
+                if row["kind"] == "step"]
+    try:
+        job.start("a", "b", **ports)  # held at step 6 until c is ready to join
+        job.wait_for(lambda: sum(row["kind"] == "held" for path in traces.glob("*.jsonl")
+                                 for row in read_jsonl(path)) == 2, 90, "world 2 held")
+        job.start("c", **ports)
+        job.wait_for(lambda: "joining the run" in job.agent_log("c"), 90, "c ready")
+        (tmp_path / "release").touch()
+        job.wait_for(lambda: sum(r["world"] == 3 for r in steps()) >= 6, 90, "world 3")
+        assert finished(job, "a", "b", "c") == {"a": 0, "b": 0, "c": 0}
+        trace = steps()
+        by_world = {world: {r["pid"] for r in trace if r["world"] == world} for world in (2, 3)}
+        assert len(by_world[2]) == 2 and by_world[2] < by_world[3]  # kept: re-formed in place
+        newest = collections.defaultdict(int)  # each step counts in its last round
+        for row in trace:
+            newest[row["step"]] = max(newest[row["step"]], row["round"])
+        trained = collections.Counter(i for row in trace if row["round"] == newest[row["step"]]
+                                      for i in row["indices"])
+        assert sorted(trained) == list(range(2400)) and set(trained.values()) == {1}
+        first_at_3 = min(r["step"] for r in trace if r["world"] == 3)
+        assert first_at_3 > 6 and max(r["step"] for r in trace if r["world"] == 2) < first_at_3
+        for node in "ab":
+            assert "re-formed in place" in job.agent_log(node)
     finally:
         job.stop_all()

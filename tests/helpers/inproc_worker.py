@@ -47,6 +47,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ddp-before-train", action="store_true",
                         help="wrap the model in DDP before the @er.elastic function (the "
                              "mistake er.elastic answers with the restart path)")
+    parser.add_argument("--loader-workers", type=int, default=-1,
+                        help="load batches through er.ElasticDataLoader with this many "
+                             "worker processes (-1: index the tensors in the loop)")
+    parser.add_argument("--persistent-loader", action="store_true",
+                        help="the loader's worker processes live through re-formations")
     return parser.parse_args()
 
 
@@ -86,6 +91,10 @@ def main() -> None:
     if ckpt is not None:
         state.restore(ckpt)
     early = DDP(model) if args.ddp_before_train else None
+    # Made once, as a script whose loader workers live through re-formations does.
+    loader = er.ElasticDataLoader(
+        Pairs(inputs, targets), sampler, num_workers=args.loader_workers,
+        persistent_workers=args.persistent_loader) if args.loader_workers >= 0 else None
 
     @er.elastic(state)
     def train(state):
@@ -94,10 +103,9 @@ def main() -> None:
             source=sync.source if sync else None,
             receivers=list(sync.receivers) if sync else None, hash=param_hash(model))
         ddp = early or DDP(model)
-        for step, indices in (counted_steps(state, args) if args.no_sampler else sampler):
+        for step, indices, x, y in batches(args, sampler, state, inputs, targets, loader):
             optimizer.zero_grad()
-            batch = torch.tensor(indices, dtype=torch.long)
-            loss = torch.nn.functional.mse_loss(ddp(inputs[batch]), targets[batch])
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
             loss.backward()
             optimizer.step()
             log("step", step=step, indices=indices, hash=param_hash(model))
@@ -131,6 +139,30 @@ class FencedWhile:
 
     def retract(self, bad, replacement) -> bool:
         return not self.path.exists() and self.record.retract(bad, replacement)
+
+
+class Pairs(torch.utils.data.Dataset):
+    """Sample i: (i, its input, its target), so a loaded batch says which samples it holds."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, index):
+        return index, self.inputs[index], self.targets[index]
+
+
+def batches(args, sampler, state, inputs, targets, loader):
+    """(step, indices, inputs, targets) of each step, loaded the way the flags say."""
+    if loader is not None:
+        for step, (indices, x, y) in loader:
+            yield step, indices.tolist(), x, y
+        return
+    for step, indices in (counted_steps(state, args) if args.no_sampler else sampler):
+        index = torch.tensor(indices, dtype=torch.long)
+        yield step, indices, inputs[index], targets[index]
 
 
 def counted_steps(state, args):
