@@ -62,6 +62,7 @@ from elastic_runner.worker.abort import (
 from elastic_runner.worker.broken_round import BrokenRoundWatch
 from elastic_runner.worker.quick_exit import exit_for_resize
 from elastic_runner.worker.state import ShardedStateError, State
+from elastic_runner.worker.state_coverage import CoverageWarnings
 from elastic_runner.worker.step_boundary import ReformRequested
 
 log = logging.getLogger("elastic_runner.worker.elastic")
@@ -231,7 +232,7 @@ class Reformer:
                                      else assignment_timeout_s)
         self._failed_at: tuple[int, int] = (-2, 0)  # (step, consecutive failures there)
         self._frozen = False  # gc.freeze() done (_freeze_survivors)
-        self._sampler_warned = False
+        self._coverage = CoverageWarnings()
         # er.init(defer_group=True) on a member node: until its first group formed, a
         # group waits for every member's script to reach its training function, not
         # for paused peers.
@@ -243,6 +244,7 @@ class Reformer:
             self._take_first_place()
         self._attach()
         self._report(TRAINING)
+        self._coverage.check(self.state, None)
         while True:
             try:
                 with BrokenRoundWatch(self.channel, lambda: self.context.round, group_sockets), \
@@ -280,7 +282,7 @@ class Reformer:
     def _reform(self, reason: str) -> None:
         log.warning("round %d ends for rank %d after step %d (%s); re-forming in place",
                     self.context.round, self.context.rank, self.state.step, reason)
-        self._check_sampler_kept()
+        self._check_state_covers_the_loop()
         self._refuse_sharded(reason)
         self._leave_group(cut=reason.startswith(COLLECTIVE_ERROR))
         self._report(PAUSED, reason)
@@ -299,22 +301,10 @@ class Reformer:
             if self._join(assignment):
                 return
 
-    def _check_sampler_kept(self) -> None:
-        """Say once when the sampler of the training loop is not the State's.
-
-        Why: the State keeps, rolls back and sends to new ranks only what it holds. A
-        sampler left out (er.State(model=..., optimizer=...)) or made anew inside the
-        training function starts new ranks (or every rank, made anew) at the start of
-        its epoch: samples trained twice, others skipped, and nothing else says so.
-        """
-        driving = self.context.boundary.sampler
-        if driving is None or driving is self.state.sampler or self._sampler_warned:
-            return
-        self._sampler_warned = True
-        log.warning("the ElasticSampler of the training loop is not the one in er.State, so "
-                    "its data position is not kept through this re-formation nor sent to new "
-                    "ranks (samples are trained twice or skipped): make it once, before the "
-                    "training function, and pass it as er.State(sampler=...)")
+    def _check_state_covers_the_loop(self) -> None:
+        """Name, once, a loop sampler or an LR scheduler the State does not hold: its
+        position or step count would not follow this re-formation (state_coverage.py)."""
+        self._coverage.check(self.state, self.context.boundary.sampler)
 
     def _refuse_sharded(self, reason: str) -> None:
         """A sharded State cannot be kept: the restart path takes over. After an asked

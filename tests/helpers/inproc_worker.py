@@ -44,6 +44,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sampler-outside-state", action="store_true",
                         help="er.State without the loop's sampler (the mistake the first "
                              "re-formation names)")
+    parser.add_argument("--scheduler-outside-state", action="store_true",
+                        help="a warm-up LR scheduler stepped every step, left out of er.State "
+                             "(the mistake the first re-formation names)")
     parser.add_argument("--ddp-before-train", action="store_true",
                         help="wrap the model in DDP before the @er.elastic function (the "
                              "mistake er.elastic answers with the restart path)")
@@ -91,6 +94,8 @@ def main() -> None:
     if ckpt is not None:
         state.restore(ckpt)
     early = DDP(model) if args.ddp_before_train else None
+    warm_up = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 50)) \
+        if args.scheduler_outside_state else None
     # Made once, as a script whose loader workers live through re-formations does.
     loader = er.ElasticDataLoader(
         Pairs(inputs, targets), sampler, num_workers=args.loader_workers,
@@ -108,6 +113,8 @@ def main() -> None:
             loss = torch.nn.functional.mse_loss(ddp(x), y)
             loss.backward()
             optimizer.step()
+            if warm_up is not None:
+                warm_up.step()
             log("step", step=step, indices=indices, hash=param_hash(model))
             if ckpt is not None and ckpt.due(step):
                 ckpt.save(step, state)
