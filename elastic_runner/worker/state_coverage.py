@@ -9,7 +9,9 @@ companions of the objects it holds are easy to leave out, and nothing else says 
   step a newcomer's scheduler sets the rate of its own count (its warm-up's first
   step, say) while the others set theirs. DDP averages the gradients, every rank
   applies them with its own rate, and the replicas drift apart; a scheduler made
-  anew in `train()` starts the schedule again on every rank.
+  anew in `train()` starts the schedule again on every rank;
+- a GradScaler (mixed precision): a newcomer scales its loss by the initial scale
+  while the others use theirs, and the gradients DDP averages mix the scales.
 Each is named once per process, in one warning line: a scheduler left out before the
 training function's first call, the rest at the first re-formation.
 """
@@ -34,25 +36,34 @@ def sampler_left_out(driving: Any, held: Any) -> str | None:
             "function, and pass it as er.State(sampler=...)")
 
 
-def schedulers_left_out(objects: Mapping[str, Any]) -> str | None:
-    """The warning when an LR scheduler drives an optimizer of `objects` from outside
-    them. One walk of the heap (gc.get_objects): 35 ms at 170,000 objects. By type(),
-    not isinstance(): a lazy proxy on the heap answers __class__ with side effects
-    (torch.distributed.reduce_op warns that it is deprecated)."""
+def companions_left_out(objects: Mapping[str, Any]) -> list[str]:
+    """The warnings for an LR scheduler of an optimizer of `objects`, and an enabled
+    GradScaler, that live outside them. One walk of the heap (gc.get_objects): 35 ms at
+    170,000 objects. By type(), not isinstance(): a lazy proxy on the heap answers
+    __class__ with side effects (torch.distributed.reduce_op warns it is deprecated)."""
+    from torch.amp import GradScaler
     from torch.optim import Optimizer
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
     optimizers = {id(value): name for name, value in objects.items()
                   if isinstance(value, Optimizer)}
-    if not optimizers:
-        return None
     held: set[int] = set()
     for value in objects.values():
         _hold(value, held)
-    names = sorted({optimizers[id(each.optimizer)] for each in gc.get_objects()
-                    if issubclass(type(each), (LRScheduler, ReduceLROnPlateau))
-                    and id(each) not in held and id(getattr(each, "optimizer", None))
-                    in optimizers})
+    driven, scalers = set(), 0
+    for each in gc.get_objects():
+        kind = type(each)
+        if id(each) in held:
+            continue
+        if issubclass(kind, (LRScheduler, ReduceLROnPlateau)):
+            name = optimizers.get(id(getattr(each, "optimizer", None)))
+            driven.update([name] if name is not None else [])
+        elif issubclass(kind, GradScaler) and each.is_enabled():
+            scalers += 1
+    return [line for line in (_scheduler_line(sorted(driven)), _scaler_line(scalers)) if line]
+
+
+def _scheduler_line(names: list[str]) -> str | None:
     if not names:
         return None
     which = ", ".join(repr(name) for name in names)
@@ -62,6 +73,16 @@ def schedulers_left_out(objects: Mapping[str, Any]) -> str | None:
             f"apart; one made in the training function starts its schedule again): make "
             f"it once, before the training function, and pass it as "
             f"er.State(scheduler=...)")
+
+
+def _scaler_line(count: int) -> str | None:
+    if not count:
+        return None
+    return (f"{count} GradScaler(s) not in er.State: the loss scale is not kept through "
+            f"this re-formation nor sent to new ranks, so a newcomer scales its loss by "
+            f"the initial scale while the others use theirs, the averaged gradients mix "
+            f"scales and the replicas drift apart: make it once, before the training "
+            f"function, and pass it as er.State(scaler=...)")
 
 
 def _hold(value: Any, held: set[int]) -> None:
@@ -86,7 +107,7 @@ class CoverageWarnings:
         found = [sampler_left_out(driving_sampler, state.sampler)]
         if self._walks_left > 0:
             self._walks_left -= 1
-            found.append(schedulers_left_out({name: state[name] for name in state}))
+            found += companions_left_out({name: state[name] for name in state})
         new = [line for line in found if line is not None and line not in self._said]
         for line in new:
             self._said.add(line)

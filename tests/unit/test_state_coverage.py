@@ -10,12 +10,18 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau, SequentialLR, StepLR
 
 import elastic_runner as er
-from elastic_runner.worker.state_coverage import CoverageWarnings, schedulers_left_out
+from elastic_runner.worker.state_coverage import CoverageWarnings, companions_left_out
 
 
 def model_and_optimizer():
     model = torch.nn.Linear(3, 1)
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def schedulers_left_out(objects):
+    """The scheduler line, or None (no GradScaler lives in these tests)."""
+    lines = [line for line in companions_left_out(objects) if "LR scheduler" in line]
+    return lines[0] if lines else None
 
 
 def test_a_scheduler_of_the_states_optimizer_left_out_is_named():
@@ -66,3 +72,15 @@ def test_each_line_once_per_process(caplog):
         assert warnings.check(state, outside) == []
     assert len(caplog.records) == 3
     assert schedule.last_epoch == made_later.last_epoch == 0
+
+
+def test_an_enabled_grad_scaler_left_out_is_named_and_one_held_or_disabled_is_not():
+    model, optimizer = model_and_optimizer()
+    scaler = torch.amp.GradScaler("cpu")
+    (line,) = companions_left_out({"model": model, "optim": optimizer})
+    assert line.startswith("1 GradScaler(s) not in er.State") and "er.State(scaler=...)" in line
+    assert companions_left_out({"model": model, "optim": optimizer, "scaler": scaler}) == []
+    del scaler
+    off = torch.amp.GradScaler("cpu", enabled=False)  # full precision: nothing to keep
+    assert companions_left_out({"model": model, "optim": optimizer}) == []
+    assert not off.is_enabled()
