@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import logging
 import signal
 import subprocess
@@ -388,3 +389,20 @@ def test_a_backend_that_cannot_connect_is_a_checkpoint_error():
     """fsspec's ftp connects when the filesystem is made; its socket error becomes ours."""
     with pytest.raises(CheckpointError, match="cannot open checkpoint location 'ftp://"):
         Checkpointer("ftp://127.0.0.1:1/run", every=5)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"keep": 1.5}, "keep must be a whole number >= 1 or None, got 1.5"),
+    ({"keep": True}, "keep must be a whole number >= 1 or None, got True"),
+    ({"every": "10"}, "every must be a whole number >= 1 or None, got '10'"),
+    ({"keep": 0}, "keep must be a whole number >= 1"),
+    ({"every": 2.0}, "every must be a whole number >= 1 or None, got 2.0"),
+    ({"async_save": "False"}, "async_save must be True or False, got 'False'"),
+    ({"weights_only": 0}, "weights_only must be True or False, got 0"),
+])
+def test_a_policy_value_of_the_wrong_type_is_refused_when_made(tmp_path, options, message):
+    """Before: keep=1.5 tidied down to one step, every="10" failed with a TypeError in a
+    comparison, async_save="False" (a string from a config file) saved asynchronously."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Checkpointer(str(tmp_path / "ck"), **options)
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())

@@ -39,6 +39,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -47,11 +48,7 @@ import torch.distributed as dist
 from elastic_runner.worker.checkpoint.background import BackgroundWriter
 from elastic_runner.worker.checkpoint.objects import check_save_arguments, load_into, snapshot
 from elastic_runner.worker.checkpoint.latest import (
-    NO_CHECKPOINT,
-    LatestStore,
-    MemoryLatestStore,
-    names_no_checkpoint,
-    refuses,
+    NO_CHECKPOINT, LatestStore, MemoryLatestStore, names_no_checkpoint, refuses,
 )
 from elastic_runner.worker.checkpoint import verdicts
 from elastic_runner.worker.checkpoint.folder_claim import FolderClaim
@@ -62,10 +59,8 @@ from elastic_runner.worker.checkpoint.verdicts import (
 )
 from elastic_runner.errors import CheckpointError, CheckpointWriteError, StaleWriterError
 
-__all__ = [
-    "CheckpointConfig", "CheckpointError", "CheckpointWriteError", "Checkpointer",
-    "LatestStore", "MemoryLatestStore", "StaleWriterError",
-]
+__all__ = ["CheckpointConfig", "CheckpointError", "CheckpointWriteError", "Checkpointer",
+           "LatestStore", "MemoryLatestStore", "StaleWriterError"]
 
 log = logging.getLogger("elastic_runner.worker.checkpoint.checkpointer")
 
@@ -85,10 +80,14 @@ class CheckpointConfig:
     sharded: bool = False
 
     def __post_init__(self) -> None:
-        if self.keep is not None and self.keep < 1:
-            raise ValueError(f"keep must be >= 1 or None (keep all), got {self.keep}")
-        if self.every is not None and self.every < 1:
-            raise ValueError(f"every must be >= 1 or None, got {self.every}")
+        for name in ("keep", "every"):  # keep=1.5 tidied to one step; every="10" crashed
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, Integral) or value is True
+                                      or value is False or value < 1):
+                raise ValueError(f"{name} must be a whole number >= 1 or None, got {value!r}")
+        for name in ("async_save", "weights_only", "sharded"):  # "False" (a string) is true
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
 class Checkpointer:
