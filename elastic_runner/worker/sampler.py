@@ -114,6 +114,9 @@ class ElasticSampler:
         """
         _check_int("num_samples", num_samples, minimum=1)
         _check_int("seed", seed, minimum=0)
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(flag, bool):  # "False" from a config file is true
+                raise ValueError(f"{name} must be True or False; got {flag!r}")
         self._num_samples = num_samples
         self._seed = seed
         self._shuffle = bool(shuffle)

@@ -339,3 +339,12 @@ def test_set_epoch_during_loop_ends_that_loop():
 def test_bad_arguments_rejected(kwargs):
     with pytest.raises((ValueError, TypeError)):
         ElasticSampler(rank=0, world_size=1, **kwargs)
+
+
+@pytest.mark.parametrize("flag", ["shuffle", "drop_last"])
+@pytest.mark.parametrize("value", ["False", "no", 0, None])
+def test_a_flag_that_is_not_a_bool_is_refused(flag, value):
+    """Before: shuffle="False" shuffled and drop_last="no" dropped the epoch's last
+    batch, both in silence (a string from a config file is true)."""
+    with pytest.raises(ValueError, match=f"{flag} must be True or False; got {value!r}"):
+        ElasticSampler(100, global_batch_size=8, **{flag: value})

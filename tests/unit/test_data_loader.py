@@ -10,6 +10,7 @@ step was 9 with 2 workers and 13 with 4, and 128 / 256 samples were never traine
 from __future__ import annotations
 
 import functools
+import gc
 import multiprocessing
 import socket
 import sys
@@ -35,6 +36,18 @@ class Indices(Dataset):
 
     def __getitem__(self, index):
         return index
+
+
+@pytest.fixture(autouse=True)
+def no_workers_left_over():
+    """Each test counts its own loader's worker processes: a persistent loader of an
+    earlier test stops its workers only once the collector frees it."""
+    gc.collect()
+    for child in multiprocessing.active_children():
+        child.join(timeout=5)
+    assert multiprocessing.active_children() == []
+    yield
+    gc.collect()
 
 
 def sampler(**kwargs) -> er.ElasticSampler:
