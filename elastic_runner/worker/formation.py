@@ -109,6 +109,13 @@ def _formation_failed(place: Place, error: Exception) -> GroupFormationError:
     the ranks formed (rank 0's host reclaimed, say), or rank 0 could not open the
     store. Its agent re-forms the round; a traceback in every other worker's log only
     hid that (a chaos soak)."""
+    if port_taken(error, place.rank):
+        return GroupFormationError(
+            f"rank 0 of round {place.round} could not open the round's store: port "
+            f"{place.master_port} of its host is held by another process (another job "
+            f"given the same --master-port, or a process an earlier worker forked while "
+            f"its store listened); give each job its own --master-port, or leave it unset "
+            f"for a free port per round")
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return GroupFormationError(
         f"rank {place.rank} of round {place.round} could not form its process group "

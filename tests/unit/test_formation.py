@@ -62,3 +62,26 @@ def test_each_round_has_its_own_keys_in_a_store_kept_on_one_port():
     raw = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
     assert raw.get("default_pg/round-4/0//cpu//0/0") == b"address of round 4"
     assert raw.get("default_pg/round-5/0//cpu//0/0") == b"address of round 5"
+
+
+def test_a_fresh_rank_0_whose_fixed_port_is_taken_says_so_in_one_line():
+    """Two jobs given the same --master-port on one machine: the second's rank 0 cannot
+    open its store. Before, the line blamed a lost member ("A member of the round was
+    lost or its store failed") through every restart until --max-restarts."""
+    import socket
+
+    from elastic_runner.errors import GroupFormationError
+
+    holder = socket.create_server(("", 0))
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(GroupFormationError) as raised:
+            formation.form_first_group("gloo", 5.0, 3, 0, 2, {
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, under_elastic_run=True)
+    finally:
+        holder.close()
+    assert str(raised.value) == (
+        f"rank 0 of round 3 could not open the round's store: port {port} of its host is "
+        "held by another process (another job given the same --master-port, or a process "
+        "an earlier worker forked while its store listened); give each job its own "
+        "--master-port, or leave it unset for a free port per round")
