@@ -152,7 +152,7 @@ class _WorkerStart:
 
 
 def close_inherited_listeners() -> int:
-    """Close this process's listening sockets; how many. None where /proc is absent."""
+    """Close this process's listening sockets; how many (0 where /proc is absent)."""
     try:
         descriptors = [int(name) for name in os.listdir("/proc/self/fd")]
     except OSError:
@@ -160,9 +160,14 @@ def close_inherited_listeners() -> int:
     closed = 0
     for fd in descriptors:
         try:
-            probe = socket.socket(fileno=os.dup(fd))
+            copy = os.dup(fd)
         except OSError:
-            continue  # not a socket, or the listing's own descriptor, closed since
+            continue  # the listing's own descriptor, closed since
+        try:
+            probe = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+            continue  # not a socket
         try:
             listening = probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
         except OSError:

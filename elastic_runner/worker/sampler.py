@@ -352,7 +352,10 @@ def _refuse_drawing_ahead() -> None:
             "position there is a copy that checkpoints and resizes never see, so a resume "
             "repeats every sample; iterate it in the training loop, or load through "
             "er.ElasticDataLoader(dataset, sampler, num_workers=...)")
-    frame = sys._getframe(2)  # the caller of the generator's next()
+    try:
+        frame = sys._getframe(2)  # the caller of the generator's next()
+    except ValueError:  # no Python frame called it
+        return
     for _ in range(4):
         if frame is None:
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import gc
 import multiprocessing
+import os
 import socket
 import sys
 import types
@@ -244,3 +245,32 @@ def test_the_scripts_worker_init_fn_still_runs_in_each_worker(tmp_path):
 
 def _touch(folder, worker_id):
     (folder / f"worker-{worker_id}").touch()
+
+
+def test_closing_inherited_listeners_closes_only_listening_sockets_and_leaks_nothing():
+    """In a forked child, as a loader worker: this test process's own listeners (other
+    tests' servers) must stay open here."""
+    from elastic_runner.worker.data_loader import close_inherited_listeners
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    left, right = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if everything holds
+        ok = False
+        try:
+            before = len(os.listdir("/proc/self/fd"))
+            closed = close_inherited_listeners()
+            after = len(os.listdir("/proc/self/fd"))
+            left.sendall(b"x")  # a connected socket stays
+            try:
+                os.fstat(listener.fileno())
+            except OSError:
+                ok = closed >= 1 and after == before - closed
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert right.recv(1) == b"x"
+    assert listener.getsockname()[1] > 0  # the parent's copy is untouched
+    for each in (listener, left, right):
+        each.close()
