@@ -62,11 +62,12 @@ FREEZE_S = (1.0, 8.0)
 class Soak:
     def __init__(self, endpoint: str, workdir: Path, seed: int, script: str, freeze: bool,
                  nproc: int = 1, prewarm: bool = False, defer: bool = False,
-                 etcd: EmbeddedEtcd | None = None):
+                 etcd: EmbeddedEtcd | None = None, loader_workers: int = 0):
         self.endpoint, self.workdir = endpoint, workdir
         self.etcd = etcd  # given: strikes may compact and restart it
         self.script, self.freeze, self.nproc, self.prewarm = script, freeze, nproc, prewarm
         self.defer = defer  # train_inproc.py --defer-group: er.init(defer_group=True)
+        self.loader_workers = loader_workers  # train_inproc.py: er.ElasticDataLoader
         self.random = random.Random(seed)
         self.agents: dict[str, subprocess.Popen] = {}
         self.frozen: dict[str, float] = {}  # node -> when to thaw it
@@ -86,7 +87,9 @@ class Soak:
                    "--every", "20", "--step-time", "0.02",
                    "--checkpoint-dir", str(self.workdir / "ckpt"),
                    "--trace", str(self.workdir / "trace.jsonl"),
-                   *(["--defer-group"] if self.defer else [])]
+                   *(["--defer-group"] if self.defer else []),
+                   *(["--loader-workers", str(self.loader_workers)] if self.loader_workers
+                     else [])]
         log = open(self.workdir / f"{name}.log", "wb")
         self.agents[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                              start_new_session=True)
@@ -245,7 +248,8 @@ def run(args: argparse.Namespace, workdir: Path) -> tuple[Soak, float]:
     """Start three nodes on an embedded etcd and strike until the duration is up."""
     with EmbeddedEtcd(binary=args.etcd_binary) as etcd:
         soak = Soak(etcd.endpoint, workdir, args.seed, args.script, args.freeze, args.nproc,
-                    args.prewarm, args.defer_group, etcd if args.etcd_restarts else None)
+                    args.prewarm, args.defer_group, etcd if args.etcd_restarts else None,
+                    args.loader_workers)
         started = time.time()
         try:
             for _ in range(3):
@@ -273,6 +277,9 @@ def main() -> int:
                         help="run every agent with --prewarm (interpreters waiting with torch)")
     parser.add_argument("--defer-group", action="store_true",
                         help="inproc: er.init(defer_group=True), the first group formed at train()")
+    parser.add_argument("--loader-workers", type=int, default=0,
+                        help="inproc: load batches through er.ElasticDataLoader with this "
+                             "many worker processes per rank")
     parser.add_argument("--etcd-restarts", action="store_true",
                         help="strikes may also compact etcd's history and restart etcd")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, trace)")
@@ -283,6 +290,8 @@ def main() -> int:
     check_etcd_binary(parser, args.etcd_binary)
     if args.defer_group and args.script != "inproc":
         parser.error("--defer-group needs --script inproc (er.elastic)")
+    if args.loader_workers and args.script != "inproc":
+        parser.error("--loader-workers needs --script inproc (examples/train_inproc.py)")
     signal.signal(signal.SIGTERM, _unwind_on_sigterm)
     workdir = Path(tempfile.mkdtemp(prefix="elastic-run-soak-"))
     try:
@@ -301,6 +310,7 @@ def main() -> int:
             for log in workdir.glob("n*.log"))
     result.update(script=SCRIPTS[args.script], freeze=args.freeze, prewarm=args.prewarm,
                   defer_group=args.defer_group, etcd_restarts=args.etcd_restarts, seed=args.seed,
+                  loader_workers=args.loader_workers,
                   workers_per_node=args.nproc, etcd=etcd_version(args.etcd_binary),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cores=os.cpu_count(),
                   workdir="(a temporary folder, kept: printed below)" if args.keep
@@ -316,7 +326,8 @@ def main() -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     suffix = ("" if args.script == "mlp" else f"-{args.script}") + \
         ("-prewarm" if args.prewarm else "") + ("-defer" if args.defer_group else "") + \
-        ("-etcd-restarts" if args.etcd_restarts else "")
+        ("-etcd-restarts" if args.etcd_restarts else "") + \
+        (f"-loader{args.loader_workers}" if args.loader_workers else "")
     for folder, name in ((ROOT / "bench/results", f"chaos_soak{suffix}-{stamp}.json"),
                          (ROOT / "bench/latest", f"chaos_soak{suffix}.json")):
         folder.mkdir(parents=True, exist_ok=True)
