@@ -11,7 +11,9 @@ companions of the objects it holds are easy to leave out, and nothing else says 
   applies them with its own rate, and the replicas drift apart; a scheduler made
   anew in `train()` starts the schedule again on every rank;
 - a GradScaler (mixed precision): a newcomer scales its loss by the initial scale
-  while the others use theirs, and the gradients DDP averages mix the scales.
+  while the others use theirs, and the gradients DDP averages mix the scales;
+- an AveragedModel (EMA, SWA): a newcomer's average starts over, and a checkpoint
+  saved from it (a newcomer may hold rank 0) keeps that.
 Each is named once per process, in one warning line: a scheduler left out before the
 training function's first call, the rest at the first re-formation.
 """
@@ -44,13 +46,14 @@ def companions_left_out(objects: Mapping[str, Any]) -> list[str]:
     from torch.amp import GradScaler
     from torch.optim import Optimizer
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+    from torch.optim.swa_utils import AveragedModel
 
     optimizers = {id(value): name for name, value in objects.items()
                   if isinstance(value, Optimizer)}
     held: set[int] = set()
     for value in objects.values():
         _hold(value, held)
-    driven, scalers = set(), 0
+    driven, scalers, averages = set(), 0, 0
     for each in gc.get_objects():
         kind = type(each)
         if id(each) in held:
@@ -60,7 +63,10 @@ def companions_left_out(objects: Mapping[str, Any]) -> list[str]:
             driven.update([name] if name is not None else [])
         elif issubclass(kind, GradScaler) and each.is_enabled():
             scalers += 1
-    return [line for line in (_scheduler_line(sorted(driven)), _scaler_line(scalers)) if line]
+        elif issubclass(kind, AveragedModel):
+            averages += 1
+    lines = (_scheduler_line(sorted(driven)), _scaler_line(scalers), _average_line(averages))
+    return [line for line in lines if line]
 
 
 def _scheduler_line(names: list[str]) -> str | None:
@@ -85,12 +91,24 @@ def _scaler_line(count: int) -> str | None:
             f"function, and pass it as er.State(scaler=...)")
 
 
+def _average_line(count: int) -> str | None:
+    if not count:
+        return None
+    return (f"{count} AveragedModel(s) (EMA, SWA) not in er.State: the averages are not "
+            f"kept through this re-formation nor sent to new ranks, so a newcomer's start "
+            f"over, and saves from a rank holding those lose them: make it once, before "
+            f"the training function, and pass it as er.State(ema=...)")
+
+
 def _hold(value: Any, held: set[int]) -> None:
-    """`value` and the schedulers inside it (SequentialLR, ChainedScheduler): their
-    state_dict() carries their parts' states."""
+    """`value` and what its state_dict() carries: the schedulers of a SequentialLR or
+    ChainedScheduler, the submodules of a module (an average kept inside the model)."""
     held.add(id(value))
     for part in getattr(value, "_schedulers", None) or ():
         _hold(part, held)
+    modules = getattr(value, "modules", None)
+    if callable(modules) and hasattr(value, "state_dict") and hasattr(value, "_modules"):
+        held.update(id(module) for module in modules())
 
 
 class CoverageWarnings:

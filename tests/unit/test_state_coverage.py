@@ -84,3 +84,15 @@ def test_an_enabled_grad_scaler_left_out_is_named_and_one_held_or_disabled_is_no
     off = torch.amp.GradScaler("cpu", enabled=False)  # full precision: nothing to keep
     assert companions_left_out({"model": model, "optim": optimizer}) == []
     assert not off.is_enabled()
+
+
+def test_an_averaged_model_left_out_is_named_and_one_held_or_inside_the_model_is_not():
+    from torch.optim.swa_utils import AveragedModel
+
+    model, optimizer = model_and_optimizer()
+    ema = AveragedModel(model)
+    (line,) = companions_left_out({"model": model, "optim": optimizer})
+    assert line.startswith("1 AveragedModel(s) (EMA, SWA) not in er.State")
+    assert companions_left_out({"model": model, "optim": optimizer, "ema": ema}) == []
+    holder = torch.nn.ModuleDict({"net": model, "ema": ema})  # kept inside what is held
+    assert companions_left_out({"model": holder, "optim": optimizer}) == []
