@@ -51,6 +51,9 @@ VARIANTS = {
     # Issue 15: the same workload written with er.State + @er.elastic.
     "er-inproc": ("elastic-run in-process (er.elastic)", "elastic-run", {},
                   ("--ckpt", "er-inproc")),
+    "er-inproc+loader": ("elastic-run in-process, batches from er.ElasticDataLoader (2 "
+                         "worker processes per rank)", "elastic-run", {},
+                         ("--ckpt", "er-inproc", "--loader-workers", "2")),
     "er-inproc+defer": ("elastic-run in-process, er.init(defer_group=True)", "elastic-run", {},
                         ("--ckpt", "er-inproc", "--defer-group")),
     "er-inproc+prewarm": ("elastic-run in-process + --prewarm", "elastic-run",

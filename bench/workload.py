@@ -51,6 +51,8 @@ def main() -> None:
                     default="plain")
     ap.add_argument("--defer-group", action="store_true",
                     help="er-inproc: er.init(defer_group=True), the group formed at train()")
+    ap.add_argument("--loader-workers", type=int, default=0,
+                    help="er-inproc: batches made by er.ElasticDataLoader's worker processes")
     ap.add_argument("--boot-delay", type=float, default=0.0,
                     help="seconds slept once the model is built, before the checkpoint and "
                          "the first step: a GPU job's model build and CUDA start (start_join.py)")
@@ -180,6 +182,8 @@ def run_in_process(args, model, opt, t_pg: float, boot: dict) -> None:
     state = er.State(model=model, optim=opt, sampler=sampler)
     ckpt = er.Checkpointer(args.ckpt_dir, keep=2)
     start_step = state.restore(ckpt)
+    loader = er.ElasticDataLoader(RandomRows(SAMPLER_SAMPLES, args.dim), sampler,
+                                  num_workers=args.loader_workers) if args.loader_workers else None
     out = open(args.out, "a", buffering=1)
     ctx = er.current()
     out.write(json.dumps({"kind": "start", **boot, "t_pg": t_pg,
@@ -193,9 +197,11 @@ def run_in_process(args, model, opt, t_pg: float, boot: dict) -> None:
                                   "received": sync.received, "seconds": sync.seconds,
                                   **dynamic(ctx)}) + "\n")
         gen = torch.Generator().manual_seed(1000 + ctx.rank)
-        for step, indices in sampler:
-            train_step(model, opt, torch.randn(len(indices), args.dim, generator=gen),
-                       ctx.world_size)
+        batches = loader if loader is not None else (
+            (step, torch.randn(len(indices), args.dim, generator=gen))
+            for step, indices in sampler)
+        for step, x in batches:
+            train_step(model, opt, x, ctx.world_size)
             log_step(out, args, step, ctx.world_size, dynamic(ctx))
             if args.every and step % args.every == 0:
                 ckpt.save(step, state)
@@ -204,6 +210,19 @@ def run_in_process(args, model, opt, t_pg: float, boot: dict) -> None:
 
     train()
     er.finish()
+
+
+class RandomRows(torch.utils.data.Dataset):
+    """Row i: `dim` numbers drawn from seed i, made in a loader's worker process."""
+
+    def __init__(self, rows: int, dim: int):
+        self.rows, self.dim = rows, dim
+
+    def __len__(self):
+        return self.rows
+
+    def __getitem__(self, index):
+        return torch.randn(self.dim, generator=torch.Generator().manual_seed(index))
 
 
 def dynamic(ctx) -> dict:
