@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-# 1: every release before this field; 2: a round's close empties the plan two back.
-RUN_PROTOCOL = 2
+# 1: every release before this field; 2: a round's close empties the plan two back;
+# 3: a round's group keys live under default_pg/round-N in rank 0's store
+# (worker/formation.py), so workers of protocol 2 and 3 could never form a group.
+RUN_PROTOCOL = 3
 _PROTOCOL_MARK = "+protocol-"
 
 

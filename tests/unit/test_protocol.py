@@ -422,3 +422,14 @@ def test_a_spec_an_older_release_wrote_is_protocol_1_and_refused_with_one_line()
     text = p.spec_conflict(existing, p.JobSpec(1, 4, "abcdef0123456789"))
     assert text == (f"elastic-runner protocol 1 (run) vs {p.RUN_PROTOCOL} (this node): run one "
                     "elastic-runner version on every node of a run")
+
+
+def test_a_run_of_protocol_2_refuses_a_node_whose_workers_form_groups_per_round():
+    """Protocol 3 keeps a round's group keys under default_pg/round-N: a protocol-2
+    worker and a protocol-3 one in one round would each wait for the other's keys."""
+    older = p.JobSpec(1, 4, "abcdef0123456789", protocol=2)
+    assert p.RUN_PROTOCOL == 3
+    assert p.spec_conflict(p.JobSpec.from_json(older.to_json()),
+                           p.JobSpec(1, 4, "abcdef0123456789")) == (
+        "elastic-runner protocol 2 (run) vs 3 (this node): run one elastic-runner version "
+        "on every node of a run")
