@@ -70,34 +70,29 @@ def companions_left_out(objects: Mapping[str, Any]) -> list[str]:
 
 
 def _scheduler_line(names: list[str]) -> str | None:
-    if not names:
-        return None
     which = ", ".join(repr(name) for name in names)
-    return (f"an LR scheduler of er.State's optimizer {which} is not in er.State, so its "
-            f"step count is not kept through this re-formation nor sent to new ranks (a "
-            f"newcomer's learning rate differs from the others' and the replicas drift "
-            f"apart; one made in the training function starts its schedule again): make "
-            f"it once, before the training function, and pass it as "
-            f"er.State(scheduler=...)")
+    return _left_out(f"an LR scheduler of er.State's optimizer {which} is", "its step count",
+                     "a newcomer's learning rate differs from the others' and the replicas "
+                     "drift apart; one made in the training function starts its schedule "
+                     "again", "scheduler") if names else None
 
 
 def _scaler_line(count: int) -> str | None:
-    if not count:
-        return None
-    return (f"{count} GradScaler(s) not in er.State: the loss scale is not kept through "
-            f"this re-formation nor sent to new ranks, so a newcomer scales its loss by "
-            f"the initial scale while the others use theirs, the averaged gradients mix "
-            f"scales and the replicas drift apart: make it once, before the training "
-            f"function, and pass it as er.State(scaler=...)")
+    return _left_out(f"{count} GradScaler(s)", "the loss scale", "a newcomer scales its "
+                     "loss by the initial scale while the others use theirs, and the "
+                     "averaged gradients mix scales", "scaler") if count else None
 
 
 def _average_line(count: int) -> str | None:
-    if not count:
-        return None
-    return (f"{count} AveragedModel(s) (EMA, SWA) not in er.State: the averages are not "
-            f"kept through this re-formation nor sent to new ranks, so a newcomer's start "
-            f"over, and saves from a rank holding those lose them: make it once, before "
-            f"the training function, and pass it as er.State(ema=...)")
+    return _left_out(f"{count} AveragedModel(s) (EMA, SWA)", "the averages", "a "
+                     "newcomer's start over, and saves from a rank holding those lose them",
+                     "ema") if count else None
+
+
+def _left_out(what: str, kept: str, harm: str, keyword: str) -> str:
+    return (f"{what} not in er.State, so {kept} is not kept through this re-formation nor "
+            f"sent to new ranks ({harm}): make it once, before the training function, and "
+            f"pass it as er.State({keyword}=...)")
 
 
 def _hold(value: Any, held: set[int]) -> None:

@@ -119,6 +119,17 @@ def check_exactly_once(trace: list[dict], samples: int = SAMPLES) -> collections
     return collections.Counter({s: n - 1 for s, n in rounds_per_step.items() if n > 1})
 
 
+def check_each_sample_once_in_its_last_round(trace: list[dict], samples: int) -> None:
+    """For helpers/inproc_worker.py's step rows: each step counts in the last round
+    that logged it."""
+    newest = collections.defaultdict(int)
+    for row in trace:
+        newest[row["step"]] = max(newest[row["step"]], row["round"])
+    trained = collections.Counter(i for row in trace if row["round"] == newest[row["step"]]
+                                  for i in row["indices"])
+    assert sorted(trained) == list(range(samples)) and set(trained.values()) == {1}
+
+
 def _rounds_by_step(trace: list[dict]) -> dict[int, set[int]]:
     found = collections.defaultdict(set)
     for row in trace:
@@ -286,12 +297,7 @@ def test_ddp_built_before_train_resizes_by_restarting(etcd, tmp_path):
         trace = steps()
         pids = {world: {r["pid"] for r in trace if r["world"] == world} for world in (2, 3)}
         assert len(pids[3]) == 3 and not pids[2] & pids[3]  # restarted, not kept
-        newest = collections.defaultdict(int)  # each step counts in its last round
-        for row in trace:
-            newest[row["step"]] = max(newest[row["step"]], row["round"])
-        trained = collections.Counter(i for row in trace if row["round"] == newest[row["step"]]
-                                      for i in row["indices"])
-        assert sorted(trained) == list(range(2400)) and set(trained.values()) == {1}
+        check_each_sample_once_in_its_last_round(trace, 2400)
         for node in "abc":
             assert "the script made 1 DistributedDataParallel wrapper(s) before the " \
                    "training function" in job.agent_log(node)
@@ -371,12 +377,7 @@ def test_a_join_in_place_trains_every_sample_once_however_batches_are_loaded(
         trace = steps()
         by_world = {world: {r["pid"] for r in trace if r["world"] == world} for world in (2, 3)}
         assert len(by_world[2]) == 2 and by_world[2] < by_world[3]  # kept: re-formed in place
-        newest = collections.defaultdict(int)  # each step counts in its last round
-        for row in trace:
-            newest[row["step"]] = max(newest[row["step"]], row["round"])
-        trained = collections.Counter(i for row in trace if row["round"] == newest[row["step"]]
-                                      for i in row["indices"])
-        assert sorted(trained) == list(range(2400)) and set(trained.values()) == {1}
+        check_each_sample_once_in_its_last_round(trace, 2400)
         first_at_3 = min(r["step"] for r in trace if r["world"] == 3)
         assert first_at_3 > 6 and max(r["step"] for r in trace if r["world"] == 2) < first_at_3
         for node in "ab":

@@ -256,7 +256,7 @@ CASES = [
                  5, ["different job", "max_nodes 2 (run) vs 3"], id="spec-mismatch"),
     pytest.param(older_release_run, lambda c: ["--rdzv-endpoints", c.values["endpoint"],
                                                "--run-id", "same", c.script],
-                 5, ["different job", "elastic-runner protocol 1 (run) vs 2 (this node)",
+                 5, ["different job", "elastic-runner protocol 1 (run) vs 3 (this node)",
                      "one elastic-runner version on every node"], id="older-release-run"),
     pytest.param(full_etcd, lambda c: ["--rdzv-endpoints", c.values["endpoint"], c.script],
                  4, ["is full and refused", "alarm disarm", "--auto-compaction-retention"],
