@@ -273,17 +273,24 @@ def _state(pid: int) -> str:
     return stat_fields(pid)[0].decode()
 
 
-def test_ddp_built_before_train_resizes_by_restarting(etcd, tmp_path):
+@pytest.mark.parametrize("loading", [(), ("--loader-workers", "2")],
+                         ids=["sampler", "loader-workers"])
+def test_ddp_built_before_train_resizes_by_restarting(etcd, tmp_path, loading):
     """A script that wraps its model in DDP before its @er.elastic function. Before: a
     node joining two made the survivors' backward time out on the destroyed group, the
     job re-formed in place again and again and ended with exit 6. Now every worker keeps
-    the restart path (one warning line each), and the join is an ordinary restart."""
+    the restart path (one warning line each), and the join is an ordinary restart.
+
+    With a checkpoint folder, the restarted workers resume from the step the join
+    stopped at (its boundary checkpoint), so a position saved ahead of training (a
+    loader's prefetched batches) would leave samples untrained."""
     worker = Path(__file__).resolve().parents[1] / "helpers" / "inproc_worker.py"
     traces = tmp_path / "traces"
     traces.mkdir()
     job = Job(etcd.endpoint, tmp_path, script=worker, nproc=1, lease_ttl=3, settle=0.5,
               script_args=("--trace-dir", str(traces), "--samples", "2400", "--batch", "12",
-                           "--ddp-before-train"))
+                           "--ddp-before-train", "--ckpt", str(tmp_path / "ckpt"),
+                           "--every", "1000", *loading))
     try:
         job.start("a", "b")
 
@@ -298,6 +305,8 @@ def test_ddp_built_before_train_resizes_by_restarting(etcd, tmp_path):
         pids = {world: {r["pid"] for r in trace if r["world"] == world} for world in (2, 3)}
         assert len(pids[3]) == 3 and not pids[2] & pids[3]  # restarted, not kept
         check_each_sample_once_in_its_last_round(trace, 2400)
+        resumed_at = min(r["step"] for r in trace if r["world"] == 3)
+        assert resumed_at == max(r["step"] for r in trace if r["world"] == 2) + 1 > 6
         for node in "abc":
             assert "the script made 1 DistributedDataParallel wrapper(s) before the " \
                    "training function" in job.agent_log(node)
