@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +24,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elastic_runner as er
 from elastic_runner.worker import elastic as er_elastic
+
+# The example's dataset and batch loop, so that the tests run what users read.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from train_inproc import Samples, batches as example_batches  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -98,7 +103,7 @@ def main() -> None:
         if args.scheduler_outside_state else None
     # Made once, as a script whose loader workers live through re-formations does.
     loader = er.ElasticDataLoader(
-        Pairs(inputs, targets), sampler, num_workers=args.loader_workers,
+        Samples(inputs, targets), sampler, num_workers=args.loader_workers,
         persistent_workers=args.persistent_loader) if args.loader_workers >= 0 else None
 
     @er.elastic(state)
@@ -148,28 +153,14 @@ class FencedWhile:
         return not self.path.exists() and self.record.retract(bad, replacement)
 
 
-class Pairs(torch.utils.data.Dataset):
-    """Sample i: (i, its input, its target), so a loaded batch says which samples it holds."""
-
-    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
-        self.inputs, self.targets = inputs, targets
-
-    def __len__(self):
-        return len(self.inputs)
-
-    def __getitem__(self, index):
-        return index, self.inputs[index], self.targets[index]
-
-
 def batches(args, sampler, state, inputs, targets, loader):
     """(step, indices, inputs, targets) of each step, loaded the way the flags say."""
-    if loader is not None:
-        for step, (indices, x, y) in loader:
-            yield step, indices.tolist(), x, y
+    if args.no_sampler:
+        for step, indices in counted_steps(state, args):
+            index = torch.tensor(indices, dtype=torch.long)
+            yield step, indices, inputs[index], targets[index]
         return
-    for step, indices in (counted_steps(state, args) if args.no_sampler else sampler):
-        index = torch.tensor(indices, dtype=torch.long)
-        yield step, indices, inputs[index], targets[index]
+    yield from example_batches(sampler, loader, inputs, targets)
 
 
 def counted_steps(state, args):
