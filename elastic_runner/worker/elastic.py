@@ -302,8 +302,9 @@ class Reformer:
                 return
 
     def _check_state_covers_the_loop(self) -> None:
-        """Name, once, a loop sampler or an LR scheduler the State does not hold: its
-        position or step count would not follow this re-formation (state_coverage.py)."""
+        """Name, once, what the loop uses that the State does not hold (its sampler, an
+        LR scheduler, a GradScaler, an EMA): it would not follow this re-formation
+        (state_coverage.py)."""
         self._coverage.check(self.state, self.context.boundary.sampler)
 
     def _refuse_sharded(self, reason: str) -> None:
