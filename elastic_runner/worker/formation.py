@@ -19,6 +19,7 @@ MASTER_ADDR:MASTER_PORT, the others connect), under the "default_pg" prefix
 from __future__ import annotations
 
 import datetime
+import importlib
 import socket
 import threading
 import time
@@ -89,6 +90,7 @@ def form_first_group(backend: str, timeout_s: float, round_number: int, rank: in
     hand-made environment) torch's env:// as ever."""
     import torch.distributed as dist
 
+    bind_torch_defaults_before_a_group()
     timeout = datetime.timedelta(seconds=timeout_s)
     if not under_elastic_run or "MASTER_ADDR" not in environ or "MASTER_PORT" not in environ:
         dist.init_process_group(backend, timeout=timeout)
@@ -102,6 +104,22 @@ def form_first_group(backend: str, timeout_s: float, round_number: int, rank: in
                                 timeout=timeout)
     except dist.DistError as error:
         raise _formation_failed(place, error) from error
+
+
+def bind_torch_defaults_before_a_group() -> None:
+    """Import torch.distributed.nn while no group exists (4 ms; torch._dynamo, which the
+    first optimizer imports, would import it later anyway).
+
+    Why: its functions take `group=group.WORLD` as a default argument, evaluated at
+    import (torch 2.13, torch/distributed/nn/functional.py). Imported after the first
+    group formed, they held that group for the life of the process:
+    destroy_process_group() then freed nothing, and the group's gloo threads,
+    connections and rank 0's store server lived on, past every re-formation, into the
+    interpreter's finalization, where a gloo thread that releases a finished
+    collective's tensor must take the GIL and ends the process with std::terminate
+    ("terminate called without an active exception", SIGABRT after a clean last
+    step). Its collectives also kept using that first group after a re-formation."""
+    importlib.import_module("torch.distributed.nn")  # binds group.WORLD while it is None
 
 
 def _formation_failed(place: Place, error: Exception) -> GroupFormationError:
@@ -159,6 +177,7 @@ def meet(place: Place, timeout_s: float, called_off: Callable[[], bool]) -> Stor
 
     Every rank of a round must meet here, fresh workers (er.init) and re-forming
     ones alike: a rank that went straight to torch's env:// would never count."""
+    bind_torch_defaults_before_a_group()
     deadline = time.monotonic() + timeout_s
     store = _connect(place, timeout_s, deadline, called_off)
     if store is None:

@@ -181,7 +181,9 @@ class StepBoundary:
         return work, flag, noticed
 
     def close(self) -> None:
-        """Finish the collective in flight before the process group goes away."""
+        """Finish the collective in flight before the process group goes away, and let
+        go of this boundary's group, so that destroy_process_group() frees it: its
+        gloo threads are joined then, not in the interpreter's finalization."""
         if self._pending is not None:
             work, flag, _ = self._pending
             self._pending = None
@@ -190,6 +192,7 @@ class StepBoundary:
                 work.wait()
             except Exception as error:  # noqa: BLE001 - a dead peer must not block leaving
                 log.debug("pending step-boundary agreement failed: %s", error)
+        self._group = None
 
     def abandon(self) -> None:
         """The process group failed under us (er.elastic re-forms it): drop the
