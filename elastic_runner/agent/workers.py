@@ -9,12 +9,15 @@ has already re-formed without them).
 from __future__ import annotations
 
 import collections
+import fcntl
 import json
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from contextlib import suppress
@@ -36,6 +39,10 @@ from elastic_runner.rendezvous.ranks import RankAssignment, assign_ranks
 log = logging.getLogger("elastic_runner")
 
 STDERR_TAIL_LINES = 20
+# A dead worker's pipes that held no unread byte this long: what it wrote has arrived.
+OUTPUT_QUIET_S = 0.05
+# At most this long for a dead worker's last lines (its pipes' end, or their quiet).
+OUTPUT_WAIT_S = 1.0
 NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
@@ -222,6 +229,26 @@ class _Worker:
                                 if what == "log" else "the agent's output", exc)
         source.close()
 
+    def _await_last_output(self) -> None:
+        """Until the pumps have read what the dead worker wrote: its pipes' end, or
+        both pipes empty for OUTPUT_QUIET_S.
+
+        Why not their end alone: a process the worker forked (a DataLoader's workers,
+        which torch ends up to 5 s after their parent) holds the pipes open. Each
+        pump's join then waited out its 1 s timeout: a worker SIGKILLed beside two
+        loader processes was reported 2.1 s after its death, and its round began
+        that much later."""
+        deadline = time.monotonic() + OUTPUT_WAIT_S
+        quiet_since = None
+        while any(pump.is_alive() for pump in self._pumps) and time.monotonic() < deadline:
+            if _unread_bytes(self.process.stdout) or _unread_bytes(self.process.stderr):
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= OUTPUT_QUIET_S:
+                return
+            time.sleep(0.005)
+
     @property
     def name(self) -> str:
         """How its output is prefixed: its rank, or its local rank while on standby."""
@@ -230,8 +257,7 @@ class _Worker:
 
     def poll(self) -> WorkerExit | None:
         if self.exit is None and self.process.poll() is not None:
-            for pump in self._pumps:
-                pump.join(timeout=1.0)  # let the last stderr lines arrive
+            self._await_last_output()
             error, frame = (read_error_file(self.error_path)
                             if self.error_path and self.process.returncode not in
                             (0, EXIT_FOR_RESIZE) else (None, None))
@@ -241,6 +267,14 @@ class _Worker:
                                    str(self.log_path) if self.log_path else None,
                                    error=error, frame=frame)
         return self.exit
+
+
+def _unread_bytes(pipe) -> int:
+    """Bytes waiting in a pipe's kernel buffer; 0 once its pump closed it."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(pipe.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+    except (OSError, ValueError):
+        return 0
 
 
 class WorkerGroup:

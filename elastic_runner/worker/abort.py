@@ -235,6 +235,25 @@ class GroupSockets:
                     pass
         return cut
 
+    def close_copies(self) -> int:
+        """In a process forked from a worker (a DataLoader's worker): close its copies
+        of the captured connections; how many.
+
+        Why: a copy kept each connection open after the worker died, so the peers saw
+        no reset until the forked process ended too (torch ends a loader's workers up
+        to 5 s after their parent), and a survivor's collective waited for the agents
+        instead of failing at once. A close here leaves the worker's own descriptor as
+        it was (no shutdown). No lock: the fork copied it in whatever state another
+        thread held it, and this process runs one thread here."""
+        captured, self._captured = dict(self._captured), {}
+        closed = 0
+        for fd, link in captured.items():
+            if _same_socket(fd, link):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                    closed += 1
+        return closed
+
     def forget(self) -> None:
         """The groups are gone: their descriptors may be reused by anything."""
         with self._lock:

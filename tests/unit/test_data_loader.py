@@ -236,6 +236,34 @@ def test_loader_workers_do_not_keep_the_training_process_listening_port():
     del batches, loader
 
 
+def test_loader_workers_do_not_keep_the_process_groups_connections_open():
+    """A training process SIGKILLed beside its loader's workers: before, their copies
+    of its gloo connections kept them open, and the peers saw no reset until torch
+    ended those workers (up to 5 s later), so a survivor's collective did not fail."""
+    from elastic_runner.worker.abort import group_sockets
+
+    server = socket.create_server(("127.0.0.1", 0))
+    saved = dict(group_sockets._captured)
+    try:
+        with group_sockets.capture():  # as a group's formation captures its connections
+            ours = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        loader = er.ElasticDataLoader(Indices(), sampler(), num_workers=1,
+                                      persistent_workers=True)
+        batches = iter(loader)
+        next(batches)  # the worker is forked and started
+        assert len(multiprocessing.active_children()) == 1
+        ours.close()  # what the training process's death does to its descriptor
+        peer.settimeout(30)
+        assert peer.recv(1) == b""  # the end reaches the peer while the loader's worker lives
+        assert len(multiprocessing.active_children()) == 1
+        del batches, loader
+        peer.close()
+    finally:
+        group_sockets._captured = saved
+        server.close()
+
+
 def test_the_scripts_worker_init_fn_still_runs_in_each_worker(tmp_path):
     loader = er.ElasticDataLoader(Indices(), sampler(), num_workers=2,
                                   worker_init_fn=functools.partial(_touch, tmp_path))
