@@ -290,15 +290,21 @@ def test_ddp_built_before_train_resizes_by_restarting(etcd, tmp_path, loading):
     job = Job(etcd.endpoint, tmp_path, script=worker, nproc=1, lease_ttl=3, settle=0.5,
               script_args=("--trace-dir", str(traces), "--samples", "2400", "--batch", "12",
                            "--ddp-before-train", "--ckpt", str(tmp_path / "ckpt"),
-                           "--every", "1000", *loading))
+                           "--every", "1000", *loading, "--hold-at", "6",
+                           "--release", str(tmp_path / "release")))
     try:
-        job.start("a", "b")
+        job.start("a", "b")  # held at step 6 until c is ready to join: before, a loaded
+        # machine finished the epoch at world 2 first (1 run in 3 with two CPU hogs)
 
         def steps():
             return [row for path in traces.glob("*.jsonl") for row in read_jsonl(path)
                     if row["kind"] == "step"]
-        job.wait_for(lambda: sum(r["world"] == 2 for r in steps()) >= 6, 90, "world 2")
+        job.wait_for(lambda: sum(row["kind"] == "held" for path in traces.glob("*.jsonl")
+                                 for row in read_jsonl(path)) == 2, 90, "world 2 held")
         job.start("c")
+        job.wait_for(lambda: "membership changed: newcomer" in job.agent_log("a"), 90,
+                     "c registered")
+        (tmp_path / "release").touch()
         job.wait_for(lambda: sum(r["world"] == 3 for r in steps()) >= 6, 90, "world 3")
         assert finished(job, "a", "b", "c") == {"a": 0, "b": 0, "c": 0}
         trace = steps()
