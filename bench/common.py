@@ -74,6 +74,19 @@ signal.signal(signal.SIGTERM, _on_signal)
 signal.signal(signal.SIGINT, _on_signal)
 
 
+def children_of(pid: int) -> list[int]:
+    """The live processes whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes() if entry.isdigit() else b""
+        except OSError:
+            continue
+        if stat and int(stat[stat.rindex(b")") + 2:].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
 def listener_pid(port: int) -> int | None:
     """PID listening on 127.0.0.1:port (which torchrun agent hosts the c10d store)."""
     inodes = set()
@@ -184,6 +197,16 @@ class Launcher:
         kill_tree(self.agents[node].pid, signal.SIGSTOP)
         return t
 
+    def sigkill_worker(self, node: str) -> float:
+        """One worker process of the node alone, as the OOM killer ends one: what it
+        forked (a DataLoader's worker processes) lives on."""
+        agent = self.agents[node].pid
+        workers = [pid for pid in children_of(agent)
+                   if b"workload.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        t = time.time()
+        os.kill(workers[0], signal.SIGKILL)
+        return t
+
     def sigterm(self, node: str) -> float:
         t = time.time()
         self.agents[node].send_signal(signal.SIGTERM)
@@ -222,19 +245,28 @@ class Launcher:
             return ""
 
 
-def first_full_step(path: Path, world: int, after: float, ranks_needed: int | None = None):
+def first_full_step(path: Path, world: int, after: float, ranks_needed: int | None = None,
+                    old: frozenset = frozenset()):
     """Earliest step row at `world` after `after` such that every rank of that world
-    has logged at least one step since `after` (a world that actually trains)."""
-    rows = first_full_step_rows(path, world, after, ranks_needed)
+    has logged at least one step since `after` (a world that actually trains); rows of
+    the incarnations in `old` do not count."""
+    rows = first_full_step_rows(path, world, after, ranks_needed, old)
     return min(rows, key=lambda r: r["t"]) if rows else None
 
 
+def incarnation(row: dict) -> tuple:
+    """Which start of the world a step row comes from: torchrun's restart count,
+    elastic-run's round (in place or restarted)."""
+    return row.get("restart"), row.get("round")
+
+
 def first_full_step_rows(path: Path, world: int, after: float,
-                         ranks_needed: int | None = None) -> list[dict]:
+                         ranks_needed: int | None = None,
+                         old: frozenset = frozenset()) -> list[dict]:
     """Each rank's first step row at `world` after `after`, once all ranks have one."""
     seen: dict[int, dict] = {}
     for r in steps_of(path):
-        if r["world"] == world and r["t"] >= after:
+        if r["world"] == world and r["t"] >= after and incarnation(r) not in old:
             seen.setdefault(r["rank"], r)
             if len(seen) >= (ranks_needed or world):
                 return list(seen.values())

@@ -58,7 +58,12 @@ VARIANTS = {
                         ("--ckpt", "er-inproc", "--defer-group")),
     "er-inproc+prewarm": ("elastic-run in-process + --prewarm", "elastic-run",
                           {"ELASTIC_RUN_PREWARM": "1"}, ("--ckpt", "er-inproc")),
+    # The restart path and torchrun with a torch DataLoader of 2 worker processes per rank.
+    "er+loader": ("elastic-run, batches from a DataLoader (2 worker processes per rank)",
+                  "elastic-run", {}, ("--loader-workers", "2")),
     "tr": ("torchrun c10d (default)", "torchrun", {}, ()),
+    "tr+loader": ("torchrun c10d, batches from a DataLoader (2 worker processes per rank)",
+                  "torchrun", {}, ("--loader-workers", "2")),
     "tr-noshare": ("torchrun c10d + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun",
                    {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, ()),
     # torch's etcd backend: needs python-etcd and an etcd serving the v2 API
@@ -66,8 +71,9 @@ VARIANTS = {
     # kill for "host node" beyond rank 0's agent.
     "tr-etcdv2": ("torchrun etcd-v2 (etcd 3.5 --enable-v2)", "torchrun-etcd-v2", {}, ()),
 }
-EVENTS = ["start", "sigkill", "join", "sigterm", "host_sigkill", "freeze"]
-NEEDS_TWO = ("sigkill", "sigterm", "host_sigkill", "freeze")  # each must leave a survivor
+EVENTS = ["start", "sigkill", "join", "sigterm", "host_sigkill", "freeze", "worker_sigkill"]
+# each must leave a survivor
+NEEDS_TWO = ("sigkill", "sigterm", "host_sigkill", "freeze", "worker_sigkill")
 DESCR = {
     "start": "start -> first step at full size",
     "sigkill": "SIGKILL non-host node -> first step at smaller size",
@@ -75,6 +81,8 @@ DESCR = {
     "sigterm": "SIGTERM non-host node -> first step at smaller size",
     "host_sigkill": "SIGKILL host node -> first step at smaller size",
     "freeze": "SIGSTOP non-host node (agent + workers) -> first step at smaller size",
+    "worker_sigkill": "SIGKILL one worker of a non-host node alone (what it forked lives, "
+                      "as after the OOM killer) -> first step of the next round, same size",
 }
 
 
@@ -82,12 +90,13 @@ class JobDied(Exception):
     pass
 
 
-def wait_world(job: c.Launcher, world: int, after: float, timeout: float):
-    """(row, None) when the world trains; (None, 'died@Xs') when every agent exited;
-    (None, 'timeout') otherwise."""
+def wait_world(job: c.Launcher, world: int, after: float, timeout: float,
+               old: frozenset = frozenset()):
+    """(row, None) when the world trains (a start of it not in `old`); (None,
+    'died@Xs') when every agent exited; (None, 'timeout') otherwise."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        row = c.first_full_step(job.steps_file, world, after)
+        row = c.first_full_step(job.steps_file, world, after, old=old)
         if row:
             return row, None
         if not job.alive():
@@ -111,14 +120,18 @@ def wait_mid_interval(job: c.Launcher, since: float, every: int, timeout: float 
 
 
 def last_step_before(job: c.Launcher, t: float, since: float = 0.0,
-                     exclude_world: int | None = None) -> int | None:
+                     exclude_world: int | None = None,
+                     old: frozenset | None = None) -> int | None:
+    """The old world's last step: its world size differs from the new one's, or (a
+    worker restarted at the same size) its start is one of `old`."""
     rows = [r["step"] for r in c.steps_of(job.steps_file)
-            if since <= r["t"] < t and r["world"] != exclude_world]
+            if since <= r["t"] < t and (c.incarnation(r) in old if old is not None
+                                       else r["world"] != exclude_world)]
     return max(rows) if rows else None
 
 
 def pause_and_transfer(job: c.Launcher, t_ev: float, row: dict | None, since: float,
-                       target: int) -> dict:
+                       target: int, old_starts: frozenset | None = None) -> dict:
     """How long training stood still (the old world's last step -> the new world's
     first, all ranks), how many worker processes the new world started (not seen
     stepping before the event), and what the state sync moved (er-inproc's sync rows:
@@ -126,9 +139,10 @@ def pause_and_transfer(job: c.Launcher, t_ev: float, row: dict | None, since: fl
     if row is None:
         return {"pause_s": None, "new_procs": None, "sync_bytes": None, "sync_s": None}
     steps = c.steps_of(job.steps_file)
-    old = [r["t"] for r in steps if since <= r["t"] < row["t"] and r["world"] != target]
+    old = [r["t"] for r in steps if since <= r["t"] < row["t"] and (
+        c.incarnation(r) in old_starts if old_starts is not None else r["world"] != target)]
     before = {r["pid"] for r in steps if r["t"] < t_ev}
-    first = c.first_full_step_rows(job.steps_file, target, t_ev)
+    first = c.first_full_step_rows(job.steps_file, target, t_ev, old=old_starts or frozenset())
     syncs = [r for r in c.read_jsonl(job.steps_file) if r.get("kind") == "sync"
              and t_ev <= r["t"] <= row["t"]]
     return {"pause_s": row["t"] - max(old) if old else None,
@@ -173,6 +187,7 @@ def one_run(key: str, args, etcd_endpoint: str, workdir: Path) -> dict:
 
     def fire(event: str):
         nonlocal phase_t, joins
+        old_starts = None
         wait_mid_interval(job, phase_t, args.every)
         alive = job.alive()
         host = job.host_node()
@@ -183,6 +198,10 @@ def one_run(key: str, args, etcd_endpoint: str, workdir: Path) -> dict:
             names.append(node)
             t_ev = job.start(node)
             target = N * M
+        elif event == "worker_sigkill":
+            old_starts = frozenset(map(c.incarnation, c.steps_of(job.steps_file)))
+            t_ev = job.sigkill_worker(non_host[0])
+            target = len(alive) * M
         elif event == "host_sigkill":
             if host is None:
                 return {"s": None, "error": "host node not found", "redone": None}
@@ -196,13 +215,15 @@ def one_run(key: str, args, etcd_endpoint: str, workdir: Path) -> dict:
                              "freeze": job.freeze}[event]
             t_ev = signal_victim(victim)
             target = (len(alive) - 1) * M
-        row, err = wait_world(job, target, t_ev, args.event_timeout)
+        same_size = old_starts if event == "worker_sigkill" else None
+        row, err = wait_world(job, target, t_ev, args.event_timeout, old=same_size or frozenset())
         # Re-done = steps the old world finished (before the new world's first step,
         # also after the event: a join is noticed late) that the new world trains again.
-        before = last_step_before(job, row["t"], phase_t, exclude_world=target) if row else None
+        before = last_step_before(job, row["t"], phase_t, exclude_world=target,
+                                  old=same_size) if row else None
         out = {"s": row["t"] - t_ev if row else None, "error": err,
                "redone": max(0, before - row["step"] + 1) if row and before is not None else None,
-               "host": host, **pause_and_transfer(job, t_ev, row, phase_t, target)}
+               "host": host, **pause_and_transfer(job, t_ev, row, phase_t, target, same_size)}
         if event == "sigterm":
             victim_proc = job.agents[victim]
             try:

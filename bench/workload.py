@@ -52,7 +52,8 @@ def main() -> None:
     ap.add_argument("--defer-group", action="store_true",
                     help="er-inproc: er.init(defer_group=True), the group formed at train()")
     ap.add_argument("--loader-workers", type=int, default=0,
-                    help="er-inproc: batches made by er.ElasticDataLoader's worker processes")
+                    help="batches made by this many DataLoader worker processes per rank "
+                         "(er-inproc: er.ElasticDataLoader; plain and er: a torch DataLoader)")
     ap.add_argument("--boot-delay", type=float, default=0.0,
                     help="seconds slept once the model is built, before the checkpoint and "
                          "the first step: a GPU job's model build and CUDA start (start_join.py)")
@@ -102,6 +103,7 @@ def main() -> None:
         opt.load_state_dict(state["optim"])
         start_step = int(state["step"]) + 1
     gen = torch.Generator().manual_seed(1000 + rank)
+    inputs = loaded_rows(args, gen) if args.loader_workers else None
     out = open(args.out, "a", buffering=1)
     common = {"rank": rank, "world": world, "restart": restart, "round": rnd,
               "pid": os.getpid(), "ppid": os.getppid()}
@@ -109,7 +111,8 @@ def main() -> None:
                           "resume_step": start_step, **common}) + "\n")
     step = start_step
     while not args.steps or step <= args.steps:
-        train_step(model, opt, torch.randn(args.local_batch, args.dim, generator=gen), world)
+        x = next(inputs) if inputs else torch.randn(args.local_batch, args.dim, generator=gen)
+        train_step(model, opt, x, world)
         log_step(out, args, step, world, common)
         if ckpt is not None:
             if ckpt.due(step):
@@ -127,6 +130,16 @@ def main() -> None:
     if ckpt is not None:
         ckpt.close()
     dist.destroy_process_group()
+
+
+def loaded_rows(args, gen: torch.Generator):
+    """Batches of RandomRows drawn at random by a torch DataLoader's worker processes,
+    as a restart-path script loads its data."""
+    rows = RandomRows(SAMPLER_SAMPLES, args.dim)
+    draw = torch.utils.data.RandomSampler(rows, replacement=True, num_samples=10 ** 9,
+                                          generator=gen)
+    return iter(torch.utils.data.DataLoader(rows, batch_size=args.local_batch, sampler=draw,
+                                            num_workers=args.loader_workers))
 
 
 def train_step(model, opt, x, world: int) -> None:
