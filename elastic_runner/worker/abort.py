@@ -236,8 +236,9 @@ class GroupSockets:
         return cut
 
     def close_copies(self) -> int:
-        """In a process forked from a worker (a DataLoader's worker): close its copies
-        of the captured connections; how many.
+        """In a process forked from a worker (a DataLoader's worker; run by
+        os.register_at_fork below): close its copies of the captured connections and
+        listeners; how many.
 
         Why: a copy kept each connection open after the worker died, so the peers saw
         no reset until the forked process ended too (torch ends a loader's workers up
@@ -272,6 +273,9 @@ def _same_socket(fd: int, link: str) -> bool:
 
 # This process's groups, like torch's one default group: a worker has one at a time.
 group_sockets = GroupSockets()
+# Every process forked from here (a DataLoader's workers, er.ElasticDataLoader's or
+# torch's, a script's own multiprocessing) lets go of the group's connections at once.
+os.register_at_fork(after_in_child=group_sockets.close_copies)
 
 
 def capturing_sockets(backend: str) -> contextlib.AbstractContextManager:

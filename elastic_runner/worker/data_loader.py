@@ -27,7 +27,6 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from elastic_runner.worker.abort import group_sockets
 from elastic_runner.worker.sampler import (
     ElasticSampler, PlannedBatch, _boundaries_from_here, _step_boundary,
 )
@@ -134,22 +133,21 @@ class _CollateShare:
 
 
 class _WorkerStart:
-    """The script's worker_init_fn, after closing the listening sockets and the process
-    group's connections the worker process inherited from the training process.
+    """The script's worker_init_fn, after closing the listening sockets the worker
+    process inherited from the training process.
 
     Why: a worker process forked while rank 0's store (or gloo) listened holds a copy
     of that socket, so the port stays taken after the training process closed it; with
     a fixed --master-port the next round's store cannot open there (EADDRINUSE) while
-    the loader's workers live (persistent_workers=True: as long as the loader). Its
-    copies of the group's connections kept them open when the training process died
-    (abort.GroupSockets.close_copies). A loader's worker uses neither."""
+    the loader's workers live (persistent_workers=True: as long as the loader). A
+    loader's worker never accepts connections on its parent's sockets. (Its copies of
+    the group's connections are closed by abort.py's fork hook, in any forked process.)"""
 
     def __init__(self, init: Callable[[int], None] | None) -> None:
         self.init = init
 
     def __call__(self, worker_id: int) -> None:
         close_inherited_listeners()
-        group_sockets.close_copies()
         if self.init is not None:
             self.init(worker_id)
 

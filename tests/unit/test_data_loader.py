@@ -236,10 +236,16 @@ def test_loader_workers_do_not_keep_the_training_process_listening_port():
     del batches, loader
 
 
-def test_loader_workers_do_not_keep_the_process_groups_connections_open():
+@pytest.mark.parametrize("make_loader", [
+    lambda: er.ElasticDataLoader(Indices(), sampler(), num_workers=1, persistent_workers=True),
+    lambda: DataLoader(Indices(), batch_size=4, num_workers=1, persistent_workers=True),
+], ids=["er-loader", "torch-loader"])
+def test_loader_workers_do_not_keep_the_process_groups_connections_open(make_loader):
     """A training process SIGKILLed beside its loader's workers: before, their copies
     of its gloo connections kept them open, and the peers saw no reset until torch
-    ended those workers (up to 5 s later), so a survivor's collective did not fail."""
+    ended those workers (up to 5 s later), so a survivor's collective did not fail.
+    Any forked process lets go of them (abort.py's fork hook), not only
+    er.ElasticDataLoader's workers."""
     from elastic_runner.worker.abort import group_sockets
 
     server = socket.create_server(("127.0.0.1", 0))
@@ -248,8 +254,7 @@ def test_loader_workers_do_not_keep_the_process_groups_connections_open():
         with group_sockets.capture():  # as a group's formation captures its connections
             ours = socket.create_connection(server.getsockname())
         peer, _ = server.accept()
-        loader = er.ElasticDataLoader(Indices(), sampler(), num_workers=1,
-                                      persistent_workers=True)
+        loader = make_loader()
         batches = iter(loader)
         next(batches)  # the worker is forked and started
         assert len(multiprocessing.active_children()) == 1
