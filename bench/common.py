@@ -255,9 +255,11 @@ def first_full_step(path: Path, world: int, after: float, ranks_needed: int | No
 
 
 def incarnation(row: dict) -> tuple:
-    """Which start of the world a step row comes from: torchrun's restart count,
-    elastic-run's round (in place or restarted)."""
-    return row.get("restart"), row.get("round")
+    """Which start of a worker a step row comes from: its process, and in it the round
+    (elastic-run in place keeps the process). The restart count alone is not enough:
+    torchrun's agent counts only its own workers' failures, so a survivor's restarted
+    worker reports the same count as the one before it."""
+    return row.get("pid"), row.get("restart"), row.get("round")
 
 
 def first_full_step_rows(path: Path, world: int, after: float,
