@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastic_runner._process import signal_machine
+from elastic_runner._process import process_tree, signal_machine, stat_fields
 from elastic_runner.events import read_jsonl
 
 BENCH = Path(__file__).resolve().parent
@@ -76,15 +76,8 @@ signal.signal(signal.SIGINT, _on_signal)
 
 def children_of(pid: int) -> list[int]:
     """The live processes whose parent is `pid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_bytes() if entry.isdigit() else b""
-        except OSError:
-            continue
-        if stat and int(stat[stat.rindex(b")") + 2:].split()[1]) == pid:
-            found.append(int(entry))
-    return found
+    return [child for child in process_tree(pid)[1:]
+            if (fields := stat_fields(child)) is not None and int(fields[1]) == pid]
 
 
 def listener_pid(port: int) -> int | None:

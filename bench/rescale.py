@@ -215,15 +215,14 @@ def one_run(key: str, args, etcd_endpoint: str, workdir: Path) -> dict:
                              "freeze": job.freeze}[event]
             t_ev = signal_victim(victim)
             target = (len(alive) - 1) * M
-        same_size = old_starts if event == "worker_sigkill" else None
-        row, err = wait_world(job, target, t_ev, args.event_timeout, old=same_size or frozenset())
+        row, err = wait_world(job, target, t_ev, args.event_timeout, old=old_starts or frozenset())
         # Re-done = steps the old world finished (before the new world's first step,
         # also after the event: a join is noticed late) that the new world trains again.
         before = last_step_before(job, row["t"], phase_t, exclude_world=target,
-                                  old=same_size) if row else None
+                                  old=old_starts) if row else None
         out = {"s": row["t"] - t_ev if row else None, "error": err,
                "redone": max(0, before - row["step"] + 1) if row and before is not None else None,
-               "host": host, **pause_and_transfer(job, t_ev, row, phase_t, target, same_size)}
+               "host": host, **pause_and_transfer(job, t_ev, row, phase_t, target, old_starts)}
         if event == "sigterm":
             victim_proc = job.agents[victim]
             try:

@@ -90,9 +90,9 @@ def form_first_group(backend: str, timeout_s: float, round_number: int, rank: in
     hand-made environment) torch's env:// as ever."""
     import torch.distributed as dist
 
-    bind_torch_defaults_before_a_group()
     timeout = datetime.timedelta(seconds=timeout_s)
     if not under_elastic_run or "MASTER_ADDR" not in environ or "MASTER_PORT" not in environ:
+        bind_torch_defaults_before_a_group()  # meet() does it on the other path
         dist.init_process_group(backend, timeout=timeout)
         return
     place = Place(round_number, rank, world_size, environ["MASTER_ADDR"],
